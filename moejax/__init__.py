@@ -1,0 +1,37 @@
+"""moejax: a Mixture-of-Experts layer for LLM inference in JAX, exact to the major MoE model families."""
+
+from moejax.config import (
+    FAMILIES,
+    Activation,
+    ClampOrder,
+    MoEConfig,
+    ScalingTarget,
+    ScoreOrder,
+    Scoring,
+    SharedExpert,
+)
+from moejax.forward import IMPLS, checked_moe_forward, moe_forward
+from moejax.params import ExpertWeights, MoEParams, RouterParams, SharedParams, init_params
+from moejax.routing import Routing, route
+
+__all__ = [
+    "FAMILIES",
+    "IMPLS",
+    "Activation",
+    "ClampOrder",
+    "ExpertWeights",
+    "MoEConfig",
+    "MoEParams",
+    "RouterParams",
+    "Routing",
+    "ScalingTarget",
+    "ScoreOrder",
+    "Scoring",
+    "SharedExpert",
+    "SharedParams",
+    "checked_moe_forward",
+    "init_params",
+    "moe_forward",
+    "route",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,138 @@
+"""Execution plans for the routed experts on the XLA path: union-of-experts decode and grouped prefill.
+
+Both compute `Σ_k w_k · E_{idx_k}(x)` as float32 `[T, H]`, read expert weights only through
+`ExpertWeights.expert(e)`, and combine each row over its own slots in slot order, so a row's output does not
+depend on the other rows of the batch (batch invariance). Neither sorts on the host or syncs: every shape is
+static, loop trip counts are device values.
+
+Decode (T <= 8 rows, T·K <= 64 slots): weight reads dominate, so each expert chosen by any row is read once.
+  1. Dedupe the T·K selected ids into the union with a pairwise comparison (no sort): a slot is a "first"
+     when no earlier slot chose the same expert; firsts are compacted into `union_ids[:n_union]`.
+  2. `fori_loop(0, n_union)`: read union expert u's gate/up/down once, apply it to all T rows -> `Y[u] [T, H]`.
+     Slots past n_union are never visited, so their weights are never read.
+  3. Row t takes `Y[position of its slot k's expert, t]` for each slot and sums them with its weights.
+
+Grouped (prefill, any T): arithmetic dominates, so (token, slot) pairs are sorted by expert and multiplied in
+blocks of `block_rows` rows per expert (dropless: an expert with n pairs gets ceil(n / block_rows) blocks).
+  1. Stable argsort of the pairs by expert id (zero-computation experts sort last and are never computed).
+  2. Block b belongs to expert `block_expert[b]` and covers sorted rows `[row_start[b], row_start[b] + B)`;
+     a `fori_loop` over the `n_blocks` real blocks (a device value) gathers those rows' tokens, runs the
+     expert, and writes the rows back in sorted order. Blocks run in expert order, so the padding rows that
+     spill into the next expert's range are overwritten by that expert's own block.
+  3. Un-sort to `[T, K, H]` and sum each row's slots with its weights.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import MoEConfig
+from moejax.experts import expert_ffn, slot_scales
+from moejax.params import ExpertWeights
+from moejax.routing import Routing
+
+Array = jax.Array
+
+DECODE_MAX_ROWS = 8
+DECODE_MAX_SLOTS = 64
+
+
+def decode_fits(num_rows: int, top_k: int) -> bool:
+    """Whether the decode plan serves `num_rows` rows of `top_k` slots (its static buffers hold T·K slots)."""
+    return num_rows <= DECODE_MAX_ROWS and num_rows * top_k <= DECODE_MAX_SLOTS
+
+
+def union_of_experts(indices: Array, num_experts: int) -> tuple[Array, Array, Array]:
+    """Dedupe the selected ids of `indices [T, K]` on device, without sorting.
+
+    Returns:
+      union_ids `[T*K] int32`: the distinct real expert ids (< num_experts) in first-seen order, then zeros.
+      n_union `[] int32`: how many of them there are.
+      slot_position `[T, K] int32`: each slot's position in union_ids (0 for zero-computation experts).
+    """
+    T, K = indices.shape
+    ids = indices.reshape(-1)  # [M] M = T*K
+    M = ids.shape[0]
+    same = ids[:, None] == ids[None, :]  # [M, M]
+    earlier = jnp.tri(M, k=-1, dtype=bool)  # earlier[m, m'] = m' < m
+    is_first = (ids < num_experts) & ~jnp.any(same & earlier, axis=1)
+    position_if_first = jnp.cumsum(is_first) - 1
+    union_ids = jnp.zeros(M, jnp.int32).at[jnp.where(is_first, position_if_first, M)].set(ids, mode="drop")
+    first_of = jnp.argmax(same & is_first[None, :], axis=1)  # the first slot with my id
+    slot_position = jnp.where(ids < num_experts, position_if_first[first_of], 0).astype(jnp.int32)
+    return union_ids, jnp.sum(is_first, dtype=jnp.int32), slot_position.reshape(T, K)
+
+
+def decode_plan(experts: ExpertWeights, x: Array, routing: Routing, cfg: MoEConfig) -> Array:
+    """Routed output `[T, H]` float32 reading each selected expert once (see the module docstring)."""
+    T, K = routing.indices.shape
+    M = T * K
+    in_scale, out_weight = slot_scales(routing, cfg)
+    union_ids, n_union, slot_position = union_of_experts(routing.indices, cfg.num_experts)
+    if cfg.weights_on_input:
+        # Row t's input scale for union expert u (a row chooses an expert at most once in this form).
+        hit = slot_position[None] == jnp.arange(M)[:, None, None]  # [M, T, K]
+        hit &= (routing.indices < cfg.num_experts)[None]
+        row_scale = jnp.einsum("utk,tk->ut", hit.astype(jnp.float32), in_scale)  # [M, T]
+
+    def one_union_expert(u: Array, outputs: Array) -> Array:
+        rows = x * row_scale[u][:, None] if cfg.weights_on_input else x
+        y = expert_ffn(rows, experts.expert(union_ids[u]), cfg)  # [T, H]
+        return jax.lax.dynamic_update_index_in_dim(outputs, y, u, 0)
+
+    outputs = jnp.zeros((M, T, x.shape[-1]), jnp.float32)  # [M, T, H]
+    outputs = jax.lax.fori_loop(0, n_union, one_union_expert, outputs)
+    per_slot = outputs[slot_position, jnp.arange(T)[:, None]]  # [T, K, H]
+    return combine_slots(per_slot, out_weight)
+
+
+def combine_slots(per_slot: Array, out_weight: Array) -> Array:
+    """`Σ_k w[t, k] · y[t, k]` `[T, K, H] -> [T, H]`; slots with weight 0 contribute exactly 0 (even if y is not
+    finite: those are unvisited or zero-expert slots)."""
+    weighted = jnp.where(out_weight[..., None] != 0, out_weight[..., None] * per_slot, 0.0)
+    return weighted.sum(1)
+
+
+def grouped_block_rows(num_pairs: int, num_experts: int) -> int:
+    """Rows per block of the grouped plan: about the mean pairs per expert, a power of two in [8, 128]."""
+    mean = max(1, -(-num_pairs // num_experts))
+    return int(min(128, max(8, 1 << (mean - 1).bit_length())))
+
+
+def grouped_plan(
+    experts: ExpertWeights, x: Array, routing: Routing, cfg: MoEConfig, *, block_rows: int | None = None
+) -> Array:
+    """Routed output `[T, H]` float32 over pairs sorted by expert, in blocks (see the module docstring)."""
+    T, K = routing.indices.shape
+    E, H, M = cfg.num_experts, x.shape[-1], T * K
+    B = block_rows or grouped_block_rows(M, E)
+    in_scale, out_weight = slot_scales(routing, cfg)
+
+    expert_of_pair = jnp.minimum(routing.indices.reshape(-1), E)  # [M]; zero experts -> E (sorted last)
+    order = jnp.argsort(expert_of_pair, stable=True)  # [M] pair at each sorted row
+    counts = jnp.bincount(expert_of_pair, length=E + 1)[:E]  # [E]
+    blocks = (counts + B - 1) // B  # [E]
+    first_block = jnp.cumsum(blocks) - blocks  # [E]
+    first_row = jnp.cumsum(counts) - counts  # [E]
+    n_blocks = jnp.sum(blocks)
+    max_blocks = -(-M // B) + E  # static bound on Σ ceil(count / B)
+    block_ids = jnp.arange(max_blocks)
+    block_expert = jnp.clip(jnp.searchsorted(first_block + blocks, block_ids, side="right"), 0, E - 1)
+    row_start = first_row[block_expert] + (block_ids - first_block[block_expert]) * B
+
+    pair_token = order // K  # [M] token of each sorted row
+    pair_scale = in_scale.reshape(-1)[order]  # [M]
+
+    def one_block(b: Array, sorted_out: Array) -> Array:
+        rows = jnp.minimum(row_start[b] + jnp.arange(B), M - 1)  # [B] clamped padding rows
+        xb = x[pair_token[rows]]  # [B, H]
+        if cfg.weights_on_input:
+            xb = xb * pair_scale[rows][:, None]
+        yb = expert_ffn(xb, experts.expert(block_expert[b]), cfg)  # [B, H]
+        return jax.lax.dynamic_update_slice_in_dim(sorted_out, yb, row_start[b], 0)
+
+    sorted_out = jnp.zeros((M + B, H), jnp.float32)  # B spare rows: a last block never clamps its start
+    sorted_out = jax.lax.fori_loop(0, n_blocks, one_block, sorted_out)
+    per_pair = jnp.zeros((M, H), jnp.float32).at[order].set(sorted_out[:M])  # un-sort
+    return combine_slots(per_pair.reshape(T, K, H), out_weight)

@@ -1,0 +1,138 @@
+"""Routing: router logits -> `Routing(indices, weights, zero_weight, logits)`.
+
+The order of operations, for every family (FAMILIES.md §17):
+
+1. Router input: `x`, or Gemma-4's `rmsnorm(x) * scale / sqrt(H)` (router_prenorm).
+2. Logits `[T, N]` (N = E + zero experts) in float32 or the input dtype (`router_dtype`), plus the logit bias.
+3. score_order=BEFORE_TOPK: scores = softmax | sigmoid | sqrt-softplus (float32); selection scores = scores
+   + correction bias (selection only), group-limited (-inf outside the kept groups); indices = top-k of the
+   selection scores, or the hash table row of the token id; weights = the *unbiased* scores of the selected.
+   Renormalise (`/ (sum + eps)`) if `normalize`.
+   score_order=AFTER_TOPK: indices = top-k of the raw logits; weights = softmax (gpt-oss) or sigmoid
+   (Llama-4) of the k selected logits.
+4. `* routed_scaling_factor` (scaling_target=WEIGHTS), `* per_expert_scale[idx]`, rounding to `weights_dtype`.
+
+Inside jit, bad values cannot raise; the behaviour is defined instead (see `moejax.checked_moe_forward` for a
+variant that raises):
+* non-finite logits: indices stay valid ids in [0, N) (top-k always returns positions), and the weights of that
+  row become NaN, so the row's output is NaN; other rows are unaffected.
+* out-of-range token ids for hash routing are clamped into [0, vocab_size), and table entries into [0, N).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import MoEConfig, ScalingTarget, ScoreOrder, Scoring
+from moejax.params import RouterParams
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    indices: Array  # [T, K] int32 in [0, N); ids >= E are zero-computation experts
+    weights: Array  # [T, K] float32, the weight of each slot
+    logits: Array  # [T, N] float32 router logits
+    zero_weight: Array | None = None  # [T] float32, summed weight of the zero experts (LongCat) else None
+
+
+def rms_normalize(x: Array, eps: float) -> Array:
+    """`x * rsqrt(mean(x²) + eps)` computed in float32 and cast back to x's dtype (every family's RMSNorm)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def router_logits(router: RouterParams, x: Array, cfg: MoEConfig) -> Array:
+    """Router logits `[T, N]` as float32 (computed in float32 or in x's dtype per `cfg.router_dtype`)."""
+    if cfg.router_prenorm:
+        # Gemma-4: weightless RMSNorm, learned scale, and 1/sqrt(H) (a python float), in the input dtype.
+        x = rms_normalize(x, cfg.rms_norm_eps) * router.scale.astype(x.dtype) * cfg.hidden_size**-0.5
+    dtype = jnp.float32 if cfg.router_dtype == "float32" else x.dtype
+    logits = jnp.dot(x.astype(dtype), router.kernel.astype(dtype), preferred_element_type=jnp.float32)
+    logits = logits.astype(dtype)  # the rounding a bf16 router does
+    if router.bias is not None:
+        logits = logits + router.bias.astype(dtype)
+    return logits.astype(jnp.float32)
+
+
+def scores_from_logits(logits: Array, scoring: Scoring) -> Array:
+    if scoring is Scoring.SOFTMAX:
+        return jax.nn.softmax(logits, axis=-1)
+    if scoring is Scoring.SIGMOID:
+        return jax.nn.sigmoid(logits)
+    return jnp.sqrt(jax.nn.softplus(logits))
+
+
+def limit_to_groups(selection: Array, n_group: int, topk_group: int) -> Array:
+    """DeepSeek-V3 group-limited selection: keep the `topk_group` groups with the largest sum of their top-2
+    selection scores, and set every other expert to -inf (not 0: a 0 would beat kept negative scores)."""
+    T, N = selection.shape
+    grouped = selection.reshape(T, n_group, N // n_group)  # [T, G, N/G]
+    group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
+    _, kept = jax.lax.top_k(group_score, topk_group)  # [T, topk_group]
+    keep = jnp.zeros((T, n_group), bool).at[jnp.arange(T)[:, None], kept].set(True)
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(T, N)
+
+
+def hash_indices(tid2eid: Array, token_ids: Array, cfg: MoEConfig) -> Array:
+    """Expert ids `[T, K]` from the token-id table; ids out of range are clamped (documented above)."""
+    rows = jnp.clip(token_ids.astype(jnp.int32), 0, cfg.vocab_size - 1)
+    return jnp.clip(tid2eid[rows].astype(jnp.int32), 0, cfg.num_selectable - 1)
+
+
+def route(params, x: Array, cfg: MoEConfig, token_ids: Array | None = None) -> Routing:
+    """Route tokens `x [T, H]` (or `[..., H]`, flattened) to `cfg.top_k` experts each.
+
+    Args:
+      params: `MoEParams` (only `params.router` is read) or a `RouterParams`.
+      x: `[..., H]` block input.
+      token_ids: `[...]` integer token ids, required with hash routing, ignored otherwise.
+    Returns:
+      `Routing` with `indices [T, K] int32`, `weights [T, K] float32`, `logits [T, N] float32`, and
+      `zero_weight [T]` when the config has zero-computation experts.
+    """
+    router = params if isinstance(params, RouterParams) else params.router
+    x = x.reshape(-1, x.shape[-1])
+    logits = router_logits(router, x, cfg)
+    K = cfg.top_k
+    if cfg.score_order is ScoreOrder.AFTER_TOPK:
+        selected_logits, indices = jax.lax.top_k(logits, K)
+        if cfg.scoring is Scoring.SOFTMAX:
+            # gpt-oss takes the softmax over the k selected logits in the logits dtype.
+            dtype = jnp.float32 if cfg.router_dtype == "float32" else x.dtype
+            weights = jax.nn.softmax(selected_logits.astype(dtype), axis=-1)
+        else:
+            weights = jax.nn.sigmoid(selected_logits)
+    else:
+        scores = scores_from_logits(logits, cfg.scoring)  # [T, N]
+        if cfg.hash_routing:
+            if token_ids is None:
+                raise ValueError("hash routing (cfg.hash_routing=True) needs token_ids, got None")
+            indices = hash_indices(router.tid2eid, token_ids.reshape(-1), cfg)
+        else:
+            selection = scores
+            if cfg.correction_bias:
+                selection = selection + router.correction_bias.astype(jnp.float32)
+            if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+                selection = limit_to_groups(selection, cfg.n_group, cfg.topk_group)
+            _, indices = jax.lax.top_k(selection, K)
+        weights = jnp.take_along_axis(scores, indices, axis=-1)
+        if cfg.normalize:
+            weights = weights / (weights.sum(-1, keepdims=True) + cfg.norm_epsilon)
+    if cfg.scaling_target is ScalingTarget.WEIGHTS and cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    if cfg.per_expert_scale:
+        weights = weights * router.per_expert_scale.astype(jnp.float32)[indices]
+    if cfg.weights_dtype == "input":
+        weights = weights.astype(x.dtype)
+    weights = weights.astype(jnp.float32)
+    indices = indices.astype(jnp.int32)
+    zero_weight = None
+    if cfg.num_zero_experts:
+        zero_weight = jnp.where(indices >= cfg.num_experts, weights, 0.0).sum(-1)
+    return Routing(indices=indices, weights=weights, logits=logits, zero_weight=zero_weight)
