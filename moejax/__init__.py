@@ -11,6 +11,7 @@ from moejax.config import (
     SharedExpert,
 )
 from moejax.forward import IMPLS, checked_moe_forward, moe_forward
+from moejax.layer import MoE
 from moejax.params import ExpertWeights, MoEParams, RouterParams, SharedParams, init_params
 from moejax.routing import Routing, route
 
@@ -20,6 +21,7 @@ __all__ = [
     "Activation",
     "ClampOrder",
     "ExpertWeights",
+    "MoE",
     "MoEConfig",
     "MoEParams",
     "RouterParams",
