@@ -52,7 +52,7 @@ class MoE(nnx.Module):
             if name in BUFFERS:
                 variable = MoEBuffer(value)
             else:
-                variable = nnx.Param(value, sharding_names=LOGICAL_AXES[name], eager_sharding=False)
+                variable = nnx.Param(value, out_sharding=LOGICAL_AXES[name], eager_sharding=False)
             owner = self if not group else groups.setdefault(group, _Group())
             setattr(owner, field, variable)
         for group in ("router", "experts", "shared"):
