@@ -1,5 +1,6 @@
 """moejax: a Mixture-of-Experts layer for LLM inference in JAX, exact to the major MoE model families."""
 
+from moejax import hf
 from moejax.config import (
     FAMILIES,
     Activation,
@@ -32,6 +33,7 @@ __all__ = [
     "SharedExpert",
     "SharedParams",
     "checked_moe_forward",
+    "hf",
     "init_params",
     "moe_forward",
     "route",

@@ -21,26 +21,58 @@ def _inputs(cfg, T, seed, dtype=jnp.float32):
     return params, x, token_ids
 
 
-@given(
-    family=st.sampled_from(FAMILIES),
-    T=st.integers(1, 8),
-    seed=st.integers(0, 2**16),
-)
-def test_decode_plan_equals_reference(family, T, seed):
-    cfg = moejax.MoEConfig.preset(family)
+forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
+
+
+@st.composite
+def cases(draw, max_rows):
+    """A family at a random size: E up to 256, K up to 8, T rows, rows random or all the same token."""
+    family = draw(st.sampled_from(FAMILIES))
+    E = draw(st.sampled_from([8, 16, 64, 256]))
+    K = draw(st.integers(1, min(8, E)))
+    overrides = {"num_experts": E, "top_k": K}
+    if family == "deepseek_v3":
+        overrides |= {"n_group": 4, "topk_group": 2} if E >= 16 else {"n_group": 2, "topk_group": 1}
+    cfg = moejax.MoEConfig.preset(family, **overrides)
+    T = draw(st.integers(1, max_rows))
+    if max_rows <= 8:
+        T = min(T, 64 // K)
+    same_rows = draw(st.booleans())
+    return cfg, T, same_rows, draw(st.integers(0, 2**16))
+
+
+def _check_plan(impl, cfg, T, same_rows, seed):
     params, x, tid = _inputs(cfg, T, seed)
-    ref = moejax.moe_forward(params, x, cfg, tid, impl="reference")
-    got = moejax.moe_forward(params, x, cfg, tid, impl="xla_decode")
+    if same_rows:
+        x = jnp.broadcast_to(x[0], x.shape)
+        tid = None if tid is None else jnp.broadcast_to(tid[0], tid.shape)
+    ref = forward(params, x, cfg, tid, "reference")
+    got = forward(params, x, cfg, tid, impl)
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
 
 
-@given(family=st.sampled_from(FAMILIES), T=st.integers(1, 300), seed=st.integers(0, 2**16))
-def test_grouped_plan_equals_reference(family, T, seed):
+@given(cases(max_rows=8))
+def test_decode_plan_equals_reference(case):
+    _check_plan("xla_decode", *case)
+
+
+@given(cases(max_rows=300))
+def test_grouped_plan_equals_reference(case):
+    _check_plan("xla_grouped", *case)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_both_plans(family):
     cfg = moejax.MoEConfig.preset(family)
-    params, x, tid = _inputs(cfg, T, seed)
-    ref = moejax.moe_forward(params, x, cfg, tid, impl="reference")
-    got = moejax.moe_forward(params, x, cfg, tid, impl="xla_grouped")
-    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+    _check_plan("xla_decode", cfg, 8 if cfg.top_k <= 8 else 4, False, 3)
+    _check_plan("xla_grouped", cfg, 37, False, 4)
+
+
+def test_grouped_plan_with_empty_experts_and_one_hot_expert():
+    """256 experts, a handful of tokens: most experts get nothing; then every token on the same experts."""
+    cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=256, top_k=8)
+    _check_plan("xla_grouped", cfg, 5, False, 7)
+    _check_plan("xla_grouped", cfg, 150, True, 8)
 
 
 def test_union_of_experts_dedupes_in_first_seen_order():
@@ -58,3 +90,47 @@ def test_bfloat16_close_to_reference(impl):
     ref = moejax.moe_forward(params, x, cfg, tid, impl="reference").astype(jnp.float32)
     got = moejax.moe_forward(params, x, cfg, tid, impl=impl).astype(jnp.float32)
     np.testing.assert_allclose(got, ref, rtol=3e-2, atol=3e-2)
+
+
+def _count_expert_reads(monkeypatch):
+    """Patch the single weight-read point to record, at run time, which experts are read."""
+    reads = []
+    original = moejax.ExpertWeights.expert
+
+    def counting_expert(self, e):
+        jax.debug.callback(lambda e: reads.append(int(e)), e)
+        return original(self, e)
+
+    monkeypatch.setattr(moejax.ExpertWeights, "expert", counting_expert)
+    return reads
+
+
+@pytest.mark.parametrize("rows", ["random", "same", "distinct"])
+def test_decode_plan_reads_each_union_expert_once(monkeypatch, rows):
+    cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=64, top_k=8)
+    params, x, _ = _inputs(cfg, 8, 1)
+    if rows == "same":
+        x = jnp.broadcast_to(x[0], x.shape)
+    routing = moejax.route(params, x, cfg)
+    if rows == "distinct":  # force 8 rows onto 64 different experts
+        routing = moejax.Routing(
+            indices=jnp.arange(64, dtype=jnp.int32).reshape(8, 8), weights=routing.weights, logits=routing.logits
+        )
+    reads = _count_expert_reads(monkeypatch)
+    moejax.plans.decode_plan(params.experts, x, routing, cfg).block_until_ready()
+    jax.effects_barrier()
+    union = set(np.asarray(routing.indices).ravel().tolist())
+    assert sorted(reads) == sorted(union)  # every union expert read exactly once, nothing else
+    assert len(reads) == {"same": 8, "distinct": 64}.get(rows, len(union))
+
+
+def test_grouped_plan_reads_only_selected_experts(monkeypatch):
+    cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=64, top_k=2)
+    params, x, _ = _inputs(cfg, 12, 2)
+    routing = moejax.route(params, x, cfg)
+    reads = _count_expert_reads(monkeypatch)
+    moejax.plans.grouped_plan(params.experts, x, routing, cfg, block_rows=8).block_until_ready()
+    jax.effects_barrier()
+    counts = np.bincount(np.asarray(routing.indices).ravel(), minlength=64)
+    expected_blocks = {e: -(-int(c) // 8) for e, c in enumerate(counts) if c}
+    assert {e: reads.count(e) for e in set(reads)} == expected_blocks  # empty experts are never read
