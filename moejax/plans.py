@@ -13,12 +13,13 @@ Decode (T <= 8 rows, T·K <= 64 slots): weight reads dominate, so each expert ch
   3. Row t takes `Y[position of its slot k's expert, t]` for each slot and sums them with its weights.
 
 Grouped (prefill, any T): arithmetic dominates, so (token, slot) pairs are sorted by expert and multiplied in
-blocks of `block_rows` rows per expert (dropless: an expert with n pairs gets ceil(n / block_rows) blocks).
+blocks per expert (dropless: an expert with n pairs gets ceil(n / B) blocks, the last one sized to fit).
   1. Stable argsort of the pairs by expert id (zero-computation experts sort last and are never computed).
-  2. Block b belongs to expert `block_expert[b]` and covers sorted rows `[row_start[b], row_start[b] + B)`;
-     a `fori_loop` over the `n_blocks` real blocks (a device value) gathers those rows' tokens, runs the
-     expert, and writes the rows back in sorted order. Blocks run in expert order, so the padding rows that
-     spill into the next expert's range are overwritten by that expert's own block.
+  2. Block b belongs to expert `block_expert[b]` and covers sorted rows `[row_start[b], row_start[b] + R)`, R
+     one of a few static sizes (full blocks of B rows, the expert's last block the smallest size that holds its
+     remainder, chosen by `lax.switch`); a `fori_loop` over the real blocks (a device count) gathers those
+     rows' tokens, runs the expert, and writes the rows back in sorted order. Blocks run in expert order, so
+     padding rows that spill into the next expert's range are overwritten by that expert's own block.
   3. Un-sort to `[T, K, H]` and sum each row's slots with its weights.
 """
 
@@ -95,44 +96,72 @@ def combine_slots(per_slot: Array, out_weight: Array) -> Array:
 
 
 def grouped_block_rows(num_pairs: int, num_experts: int) -> int:
-    """Rows per block of the grouped plan: about the mean pairs per expert, a power of two in [8, 128]."""
+    """Rows of a full block of the grouped plan: twice the mean pairs per expert, a power of two in [8, 128].
+
+    Most experts then need one block, sized by `TAIL_BLOCK_ROWS` to their pair count.
+    """
     mean = max(1, -(-num_pairs // num_experts))
-    return int(min(128, max(8, 1 << (mean - 1).bit_length())))
+    return int(min(128, max(8, 1 << (2 * mean - 1).bit_length())))
+
+
+TAIL_BLOCK_ROWS = (8, 16, 32, 48, 64, 96, 128)
+
+
+def block_classes(block_rows: int) -> tuple[int, ...]:
+    """Static block sizes the grouped plan compiles: the tail sizes below `block_rows`, and `block_rows`."""
+    return (*(r for r in TAIL_BLOCK_ROWS if r < block_rows), block_rows)
 
 
 def grouped_plan(
     experts: ExpertWeights, x: Array, routing: Routing, cfg: MoEConfig, *, block_rows: int | None = None
 ) -> Array:
-    """Routed output `[T, H]` float32 over pairs sorted by expert, in blocks (see the module docstring)."""
+    """Routed output `[T, H]` float32 over pairs sorted by expert, in blocks (see the module docstring).
+
+    An expert with n pairs gets `n // B` full blocks of B = `block_rows` rows and, for the remainder, one
+    block of the smallest size in `block_classes(B)` that holds it: each expert's weights are read
+    `ceil(n / B)` times, and at most a fraction of one block of rows is padding.
+    """
     T, K = routing.indices.shape
     E, H, M = cfg.num_experts, x.shape[-1], T * K
     B = block_rows or grouped_block_rows(M, E)
+    classes = jnp.array(block_classes(B), jnp.int32)
     in_scale, out_weight = slot_scales(routing, cfg)
 
     expert_of_pair = jnp.minimum(routing.indices.reshape(-1), E)  # [M]; zero experts -> E (sorted last)
     order = jnp.argsort(expert_of_pair, stable=True)  # [M] pair at each sorted row
     counts = jnp.bincount(expert_of_pair, length=E + 1)[:E]  # [E]
-    blocks = (counts + B - 1) // B  # [E]
+    full_blocks, remainder = counts // B, counts % B
+    blocks = full_blocks + (remainder > 0)  # [E]
     first_block = jnp.cumsum(blocks) - blocks  # [E]
     first_row = jnp.cumsum(counts) - counts  # [E]
-    n_blocks = jnp.sum(blocks)
     max_blocks = -(-M // B) + E  # static bound on Σ ceil(count / B)
     block_ids = jnp.arange(max_blocks)
     block_expert = jnp.clip(jnp.searchsorted(first_block + blocks, block_ids, side="right"), 0, E - 1)
-    row_start = first_row[block_expert] + (block_ids - first_block[block_expert]) * B
+    nth = block_ids - first_block[block_expert]  # index of the block within its expert
+    row_start = first_row[block_expert] + nth * B
+    tail_class = jnp.searchsorted(classes, remainder)  # [E] smallest class >= remainder
+    block_class = jnp.where(nth < full_blocks[block_expert], len(classes) - 1, tail_class[block_expert])
 
     pair_token = order // K  # [M] token of each sorted row
     pair_scale = in_scale.reshape(-1)[order]  # [M]
 
+    def block_of(rows_in_block: int):
+        def run(b: Array, sorted_out: Array) -> Array:
+            rows = jnp.minimum(row_start[b] + jnp.arange(rows_in_block), M - 1)  # clamped padding rows
+            xb = x[pair_token[rows]]  # [rows, H]
+            if cfg.weights_on_input:
+                xb = xb * pair_scale[rows][:, None]
+            yb = expert_ffn(xb, experts.expert(block_expert[b]), cfg)  # [rows, H]
+            return jax.lax.dynamic_update_slice_in_dim(sorted_out, yb, row_start[b], 0)
+
+        return run
+
+    branches = [block_of(r) for r in block_classes(B)]
+
     def one_block(b: Array, sorted_out: Array) -> Array:
-        rows = jnp.minimum(row_start[b] + jnp.arange(B), M - 1)  # [B] clamped padding rows
-        xb = x[pair_token[rows]]  # [B, H]
-        if cfg.weights_on_input:
-            xb = xb * pair_scale[rows][:, None]
-        yb = expert_ffn(xb, experts.expert(block_expert[b]), cfg)  # [B, H]
-        return jax.lax.dynamic_update_slice_in_dim(sorted_out, yb, row_start[b], 0)
+        return jax.lax.switch(block_class[b], branches, b, sorted_out)
 
     sorted_out = jnp.zeros((M + B, H), jnp.float32)  # B spare rows: a last block never clamps its start
-    sorted_out = jax.lax.fori_loop(0, n_blocks, one_block, sorted_out)
+    sorted_out = jax.lax.fori_loop(0, jnp.sum(blocks), one_block, sorted_out)
     per_pair = jnp.zeros((M, H), jnp.float32).at[order].set(sorted_out[:M])  # un-sort
     return combine_slots(per_pair.reshape(T, K, H), out_weight)

@@ -124,13 +124,16 @@ def test_decode_plan_reads_each_union_expert_once(monkeypatch, rows):
     assert len(reads) == {"same": 8, "distinct": 64}.get(rows, len(union))
 
 
-def test_grouped_plan_reads_only_selected_experts(monkeypatch):
-    cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=64, top_k=2)
-    params, x, _ = _inputs(cfg, 12, 2)
+@pytest.mark.parametrize(("E", "T", "K", "block_rows"), [(64, 12, 2, 8), (16, 45, 4, None)])
+def test_grouped_plan_reads_each_expert_once_per_block(monkeypatch, E, T, K, block_rows):
+    """Experts without tokens are never read; the others once per block of their pairs."""
+    cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=E, top_k=K)
+    params, x, _ = _inputs(cfg, T, 2)
     routing = moejax.route(params, x, cfg)
     reads = _count_expert_reads(monkeypatch)
-    moejax.plans.grouped_plan(params.experts, x, routing, cfg, block_rows=8).block_until_ready()
+    moejax.plans.grouped_plan(params.experts, x, routing, cfg, block_rows=block_rows).block_until_ready()
     jax.effects_barrier()
-    counts = np.bincount(np.asarray(routing.indices).ravel(), minlength=64)
-    expected_blocks = {e: -(-int(c) // 8) for e, c in enumerate(counts) if c}
+    B = block_rows or moejax.plans.grouped_block_rows(T * K, E)
+    counts = np.bincount(np.asarray(routing.indices).ravel(), minlength=E)
+    expected_blocks = {e: -(-int(c) // B) for e, c in enumerate(counts) if c}
     assert {e: reads.count(e) for e in set(reads)} == expected_blocks  # empty experts are never read
