@@ -83,13 +83,16 @@ def test_union_of_experts_dedupes_in_first_seen_order():
     np.testing.assert_array_equal(slot_position, [[0, 1], [1, 2], [0, 0]])
 
 
-@pytest.mark.parametrize("impl", ["xla_decode", "xla_grouped"])
-def test_bfloat16_close_to_reference(impl):
-    cfg = moejax.MoEConfig.preset("qwen3_moe")
-    params, x, tid = _inputs(cfg, 6, 0, jnp.bfloat16)
-    ref = moejax.moe_forward(params, x, cfg, tid, impl="reference").astype(jnp.float32)
-    got = moejax.moe_forward(params, x, cfg, tid, impl=impl).astype(jnp.float32)
-    np.testing.assert_allclose(got, ref, rtol=3e-2, atol=3e-2)
+@given(family=st.sampled_from(FAMILIES), T=st.integers(1, 64), seed=st.integers(0, 2**16))
+def test_bfloat16_xla_close_to_reference(family, T, seed):
+    """bf16 weights and activations: the plans round the activation to bf16 before the down projection, the
+    reference does not; the difference stays at bf16 resolution of the output's scale."""
+    cfg = moejax.MoEConfig.preset(family)
+    params, x, tid = _inputs(cfg, T, seed, jnp.bfloat16)
+    ref = forward(params, x, cfg, tid, "reference").astype(jnp.float32)
+    got = forward(params, x, cfg, tid, "xla").astype(jnp.float32)
+    scale = float(jnp.max(jnp.abs(ref)))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=3e-2 * scale)
 
 
 def _count_expert_reads(monkeypatch):
