@@ -5,7 +5,12 @@ Implementations (`impl=`), resolved in one place (`resolve_impl`):
   "xla_decode"  union-of-experts decode plan (T <= 8, T·K <= 64).
   "xla_grouped" grouped plan over pairs sorted by expert (any T).
   "xla"         xla_decode where it fits, else xla_grouped.
-  "auto"        the best implementation for this backend and shape: today "xla" everywhere.
+  "pallas_decode", "pallas_grouped", "pallas"
+                the Pallas (Mosaic GPU) kernels, the same split as "xla"; on a CPU backend they run in interpret
+                mode (slow, for tests). An explicit opt-in until validated on the GPU in use.
+  "auto"        "pallas" on a GPU for each kernel that `pallas_kernels/validated.json` lists as validated on this
+                device kind and JAX version, else "xla"; a config a kernel cannot serve (NotImplementedError)
+                falls back to "xla".
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
+import pallas_kernels
 from moejax.config import MoEConfig, ScalingTarget
 from moejax.experts import reference_routed, shared_expert_ffn
+from moejax.kernel_plans import pallas_decode, pallas_grouped
 from moejax.params import ExpertWeights, MoEParams, check_params
 from moejax.plans import decode_fits, decode_plan, grouped_plan
 from moejax.routing import Routing, rms_normalize, route, router_logits
@@ -29,8 +36,12 @@ _ROUTED_IMPLS: dict[str, RoutedImpl] = {
     "reference": reference_routed,
     "xla_decode": decode_plan,
     "xla_grouped": grouped_plan,
+    "pallas_decode": pallas_decode,
+    "pallas_grouped": pallas_grouped,
 }
-IMPLS = ("auto", "xla", *_ROUTED_IMPLS)
+IMPLS = ("auto", "xla", "pallas", *_ROUTED_IMPLS)
+# Each kernel implementation: the pallas_kernels kernel it runs, and the XLA plan that replaces it under "auto".
+_KERNELS = {"pallas_decode": ("moe_decode", "xla_decode"), "pallas_grouped": ("moe_grouped", "xla_grouped")}
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -38,11 +49,44 @@ def resolve_impl(impl: str, num_rows: int, cfg: MoEConfig) -> str:
     """The concrete routed-expert implementation for `impl` at `num_rows` rows (static: shapes only)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
-    if impl in ("auto", "xla"):
-        return "xla_decode" if decode_fits(num_rows, cfg.top_k) else "xla_grouped"
-    if impl == "xla_decode" and not decode_fits(num_rows, cfg.top_k):
-        raise ValueError(f"impl='xla_decode' serves at most 8 rows and 64 slots, got T={num_rows}, K={cfg.top_k}")
+    fits = decode_fits(num_rows, cfg.top_k)
+    if impl == "xla":
+        return "xla_decode" if fits else "xla_grouped"
+    if impl == "pallas":
+        return "pallas_decode" if fits else "pallas_grouped"
+    if impl == "auto":
+        kernel = "pallas_decode" if fits else "pallas_grouped"
+        return kernel if kernel_validated(kernel) else _KERNELS[kernel][1]
+    if impl in ("xla_decode", "pallas_decode") and not fits:
+        raise ValueError(f"impl={impl!r} serves at most 8 rows and 64 slots, got T={num_rows}, K={cfg.top_k}")
     return impl
+
+
+def kernel_validated(impl: str) -> bool:
+    """Whether kernel implementation `impl` may run by default: on a GPU backend, and listed in
+    `pallas_kernels/validated.json` for this device kind and JAX version (checked by benchmarks/gpu_bench.py)."""
+    if jax.default_backend() != "gpu":
+        return False
+    device_kind = jax.devices()[0].device_kind
+    return pallas_kernels.is_validated(_KERNELS[impl][0], device_kind, jax.__version__)
+
+
+def routed_implementation(impl: str, num_rows: int, cfg: MoEConfig) -> RoutedImpl:
+    """The routed-expert function for `impl`; under "auto" a kernel that raises `NotImplementedError` for this
+    config (at trace time) is replaced by its XLA plan."""
+    name = resolve_impl(impl, num_rows, cfg)
+    routed = _ROUTED_IMPLS[name]
+    if impl != "auto" or name not in _KERNELS:
+        return routed
+    fallback = _ROUTED_IMPLS[_KERNELS[name][1]]
+
+    def kernel_or_fallback(experts: ExpertWeights, x: Array, routing: Routing, cfg: MoEConfig) -> Array:
+        try:
+            return routed(experts, x, routing, cfg)
+        except NotImplementedError:
+            return fallback(experts, x, routing, cfg)
+
+    return kernel_or_fallback
 
 
 def check_inputs(params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array | None) -> None:
@@ -81,7 +125,7 @@ def moe_forward(
     check_inputs(params, x, cfg, token_ids)
     flat = x.reshape(-1, cfg.hidden_size)  # [T, H]
     routing = route(params, flat, cfg, token_ids)
-    routed_impl = _ROUTED_IMPLS[resolve_impl(impl, flat.shape[0], cfg)]
+    routed_impl = routed_implementation(impl, flat.shape[0], cfg)
     out = combine(params, flat, routing, cfg, routed_impl)
     return out.astype(x.dtype).reshape(x.shape)
 

@@ -1,0 +1,57 @@
+"""GPU kernels for the MoE hot loops, each beside a plain-jnp reference with the same signature.
+
+* `moe_decode` (decode.py): union-of-experts decode, T <= 8 rows, every selected expert's weights read once.
+* `moe_grouped` (grouped.py): grouped prefill over pairs sorted by expert in block-aligned 64-row tiles.
+
+Both run on Mosaic GPU (Hopper) through the tile kernels of expert_tiles.py, take plain arrays and static
+parameters, and never import moejax. `validated.json` lists the kernels that `benchmarks/gpu_bench.py` checked
+against their references on a real GPU; `is_validated` reads it (moejax's `impl="auto"` picks only those).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from pallas_kernels.decode import DecodeBlockSizes, moe_decode, moe_decode_reference
+from pallas_kernels.expert_tiles import TileBlockSizes
+from pallas_kernels.grouped import GroupedBlockSizes, moe_grouped, moe_grouped_reference
+
+KERNELS = ("moe_decode", "moe_grouped")
+VALIDATED_PATH = Path(__file__).with_name("validated.json")
+
+
+@functools.cache
+def validated_records(path: Path = VALIDATED_PATH) -> tuple[dict, ...]:
+    """The rows of validated.json: `{"kernel", "device_kind", "jax_version", "date", "max_abs_error", ...}`."""
+    rows = json.loads(Path(path).read_text())
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path}: expected a JSON list of objects")
+    return tuple(rows)
+
+
+def is_validated(kernel_name: str, device_kind: str, jax_version: str, path: Path = VALIDATED_PATH) -> bool:
+    """Whether `kernel_name` was checked against its reference on `device_kind` (e.g. "NVIDIA H200") with
+    exactly this JAX version: a new JAX (a new Mosaic GPU compiler) or a new GPU needs a new check."""
+    if kernel_name not in KERNELS:
+        raise ValueError(f"kernel_name={kernel_name!r} is not one of {KERNELS}")
+    return any(
+        r.get("kernel") == kernel_name and r.get("device_kind") == device_kind and r.get("jax_version") == jax_version
+        for r in validated_records(Path(path))
+    )
+
+
+__all__ = [
+    "KERNELS",
+    "VALIDATED_PATH",
+    "DecodeBlockSizes",
+    "GroupedBlockSizes",
+    "TileBlockSizes",
+    "is_validated",
+    "moe_decode",
+    "moe_decode_reference",
+    "moe_grouped",
+    "moe_grouped_reference",
+    "validated_records",
+]

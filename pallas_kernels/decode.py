@@ -1,0 +1,231 @@
+"""Fused union-of-experts decode on Mosaic GPU: T <= 8 rows, T·K <= 64 slots, each selected expert read once.
+
+Lowering: **Mosaic GPU** (Hopper: TMA pipeline into shared memory, wgmma with float32 accumulators), through
+the two tile kernels of `pallas_kernels.expert_tiles`, shared with the grouped prefill op; this module builds
+the decode tile table and the combine, so it has no kernel body of its own (STYLE.md's module order otherwise:
+block sizes, then the op, then its reference).
+
+Decode is bound by weight bytes: every union expert's gate/up/down must cross HBM once, and nothing else of
+that size may. The steps, all on device (no host round trip, one compiled program per shape):
+
+1. Union of the T·K selected ids by pairwise comparison (no sort): `union_ids[:n_union]` in first-seen order
+   and each slot's position in it. Ids outside [0, E) (zero-computation experts) are not in the union.
+2. `gate_up_tiles` with one tile per union expert, the trip count `n_union · I/block` read on device: each work
+   item streams one column block of that expert's gate and up for all T rows at once (the rows sit in one
+   64-row wgmma tile, zero-padded: at T <= 8 the padding costs no bytes, only idle tensor-core lanes) and
+   applies the activation to the float32 accumulators -> h `[n_union·64, I]`.
+3. `down_tiles` over the same table -> `y [n_union, 8, H]` float32 (only the 8 row slots leave the SM).
+4. Row t sums `w[t,k] · y[position of slot k, t]` over its own slots in slot order, so a row's output does not
+   depend on its batch neighbours (batch invariance).
+
+Routing weights applied on the input (Llama-4, `in_scale`) give each union expert its own scaled copy of the
+rows (a tile per union expert). The shared expert and zero-expert terms are the caller's (moejax adds them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.expert_tiles import (
+    TILE_ROWS,
+    TileBlockSizes,
+    check_activation,
+    check_moe_inputs,
+    combine_slots,
+    dense_reference,
+    down_tiles,
+    gate_up_tiles,
+    pad_biases,
+    pad_experts,
+    round_up,
+)
+
+Array = jax.Array
+
+MAX_ROWS = 8
+MAX_SLOTS = 64
+_ROWS_OUT = 8  # rows of each union expert's output stored by the down kernel (>= MAX_ROWS)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+    """Blocks of the two decode kernels (see `TileBlockSizes`)."""
+
+    gate_up: TileBlockSizes
+    down: TileBlockSizes
+
+    def __post_init__(self) -> None:
+        for name in ("gate_up", "down"):
+            if not isinstance(getattr(self, name), TileBlockSizes):
+                raise ValueError(f"DecodeBlockSizes.{name} must be a TileBlockSizes, got {getattr(self, name)!r}")
+
+    @classmethod
+    def default(cls, hidden: int, inter: int, dtype: Any, *, interpret: bool = False) -> DecodeBlockSizes:
+        """64 intermediate columns per gate/up item (at T=1 only 8 experts are live: narrow items keep more
+        SMs streaming), 128 (or 64) hidden columns per down item."""
+        return cls(
+            gate_up=TileBlockSizes.default(inter, hidden, dtype, interpret=interpret, block_n=64),
+            down=TileBlockSizes.default(hidden, inter, dtype, interpret=interpret),
+        )
+
+
+def union_of_experts(indices: Array, num_experts: int) -> tuple[Array, Array, Array]:
+    """Dedupe the ids of `indices [T, K]` on device without sorting.
+
+    Returns union_ids `[T·K] int32` (distinct ids in [0, num_experts) in first-seen order, then zeros),
+    n_union `[] int32`, and slot_position `[T, K] int32` (each slot's index in union_ids; 0 for ids outside).
+    """
+    T, K = indices.shape
+    ids = indices.reshape(-1).astype(jnp.int32)
+    M = ids.shape[0]
+    real = (ids >= 0) & (ids < num_experts)
+    same = ids[:, None] == ids[None, :]  # [M, M]
+    earlier = jnp.tri(M, k=-1, dtype=bool)  # earlier[m, m'] = m' < m
+    is_first = real & ~jnp.any(same & earlier, axis=1)
+    position_if_first = jnp.cumsum(is_first) - 1
+    union_ids = jnp.zeros(M, jnp.int32).at[jnp.where(is_first, position_if_first, M)].set(ids, mode="drop")
+    first_of = jnp.argmax(same & is_first[None, :], axis=1)  # the first slot with my id
+    slot_position = jnp.where(real, position_if_first[first_of], 0).astype(jnp.int32)
+    return union_ids, jnp.sum(is_first, dtype=jnp.int32), slot_position.reshape(T, K)
+
+
+def moe_decode(
+    x: Array,
+    gate: Array,
+    up: Array,
+    down: Array,
+    indices: Array,
+    weights: Array,
+    in_scale: Array | None = None,
+    *,
+    activation: str = "silu",
+    limit: float | None = None,
+    clamp_order: str = "before_activation",
+    alpha: float = 1.702,
+    gate_bias: Array | None = None,
+    up_bias: Array | None = None,
+    down_bias: Array | None = None,
+    block_sizes: DecodeBlockSizes | None = None,
+    interpret: bool = False,
+) -> Array:
+    """Routed experts for decode rows: `Σ_k weights[t,k] · E_{indices[t,k]}(in_scale[t,k] · x[t])`.
+
+    Args:
+      x: `[T, H]` rows, T <= 8 and T·K <= 64 (cast to the weight dtype for the matmuls).
+      gate, up: `[E, H, I]`; down: `[E, I, H]`, one of bf16 (fast path), f16, f32 (TF32 on a GPU).
+      indices: `[T, K]` int expert ids; ids outside [0, E) contribute nothing.
+      weights: `[T, K]` output weight of each slot. in_scale: `[T, K]` input scale of each slot, or None.
+      activation, limit, clamp_order, alpha: the gated activation (see `expert_tiles.gated_activation`).
+      gate_bias, up_bias: `[E, I]`, down_bias: `[E, H]`, all or none (gpt-oss): added in float32 to the
+        gate/up accumulators before the activation and to the down output.
+      block_sizes: `DecodeBlockSizes`, default `DecodeBlockSizes.default(H, I, dtype)`.
+      interpret: run on CPU under the Mosaic GPU interpreter.
+
+    Returns:
+      `[T, H]` float32.
+    """
+    biases = (gate_bias, up_bias, down_bias)
+    check_moe_inputs("moe_decode", x, gate, up, down, indices, weights, in_scale, biases)
+    check_activation(activation, limit, clamp_order, alpha)
+    T, H = x.shape
+    E, _, I = gate.shape
+    K = indices.shape[1]
+    if T > MAX_ROWS or T * K > MAX_SLOTS:
+        raise ValueError(f"moe_decode serves T <= {MAX_ROWS} rows and T·K <= {MAX_SLOTS} slots, got T={T}, K={K}")
+    dtype = gate.dtype
+    bs = block_sizes or DecodeBlockSizes.default(H, I, dtype, interpret=interpret)
+    hidden = round_up(H, math.lcm(bs.gate_up.block_k, bs.down.block_n))
+    inter = round_up(I, math.lcm(bs.gate_up.block_n, bs.down.block_k))
+    M = T * K
+
+    union_ids, n_union, slot_position = union_of_experts(indices, E)
+    x, gate, up, down = pad_experts(x, gate, up, down, hidden, inter)
+    gate_bias, up_bias, down_bias = pad_biases(biases, hidden, inter)
+    if in_scale is None:
+        rows = jnp.zeros((TILE_ROWS, hidden), dtype).at[:T].set(x.astype(dtype))  # one tile shared by all
+        tile_block = jnp.zeros(M, jnp.int32)
+    else:
+        # Row t's input scale for union expert u (summed over its slots that chose u).
+        hit = (slot_position[None] == jnp.arange(M)[:, None, None]) & ((indices >= 0) & (indices < E))[None]
+        row_scale = jnp.einsum("utk,tk->ut", hit.astype(jnp.float32), in_scale.astype(jnp.float32))  # [M, T]
+        scaled = (x.astype(jnp.float32)[None] * row_scale[..., None]).astype(dtype)  # [M, T, H]
+        rows = jnp.zeros((M, TILE_ROWS, hidden), dtype).at[:, :T].set(scaled).reshape(M * TILE_ROWS, hidden)
+        tile_block = jnp.arange(M, dtype=jnp.int32)
+    num_tiles = n_union[None]
+
+    h = gate_up_tiles(
+        rows,
+        gate,
+        up,
+        union_ids,
+        tile_block,
+        num_tiles,
+        activation=activation,
+        limit=limit,
+        clamp_order=clamp_order,
+        alpha=alpha,
+        gate_bias=gate_bias,
+        up_bias=up_bias,
+        block_sizes=bs.gate_up,
+        interpret=interpret,
+    )  # [M·64, I]
+    y = down_tiles(
+        h,
+        down,
+        union_ids,
+        num_tiles,
+        rows_out=_ROWS_OUT,
+        down_bias=down_bias,
+        block_sizes=bs.down,
+        interpret=interpret,
+    )
+    y = y.reshape(M, _ROWS_OUT, hidden)[:, :T, :H]  # [M, T, H]; entries >= n_union are unwritten
+    per_slot = y[slot_position, jnp.arange(T)[:, None]]  # [T, K, H]
+    return combine_slots(per_slot, indices, weights, E)
+
+
+def moe_decode_reference(
+    x: Array,
+    gate: Array,
+    up: Array,
+    down: Array,
+    indices: Array,
+    weights: Array,
+    in_scale: Array | None = None,
+    *,
+    activation: str = "silu",
+    limit: float | None = None,
+    clamp_order: str = "before_activation",
+    alpha: float = 1.702,
+    gate_bias: Array | None = None,
+    up_bias: Array | None = None,
+    down_bias: Array | None = None,
+    block_sizes: DecodeBlockSizes | None = None,
+    interpret: bool = False,
+) -> Array:
+    """Plain-jnp `moe_decode` (dense over experts); `block_sizes` and `interpret` exist for signature parity."""
+    del block_sizes, interpret
+    check_moe_inputs(
+        "moe_decode_reference", x, gate, up, down, indices, weights, in_scale, (gate_bias, up_bias, down_bias)
+    )
+    return dense_reference(
+        x,
+        gate,
+        up,
+        down,
+        indices,
+        weights,
+        in_scale,
+        activation=activation,
+        limit=limit,
+        clamp_order=clamp_order,
+        alpha=alpha,
+        gate_bias=gate_bias,
+        up_bias=up_bias,
+        down_bias=down_bias,
+    )

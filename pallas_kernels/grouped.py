@@ -1,0 +1,226 @@
+"""Grouped prefill on Mosaic GPU: (token, slot) pairs sorted by expert in 64-row block-aligned tiles.
+
+Lowering: **Mosaic GPU** (Hopper: TMA pipeline into shared memory, wgmma with float32 accumulators, a
+persistent grid), through the two tile kernels of `pallas_kernels.expert_tiles`, shared with the decode op;
+this module builds the block-aligned tile table on device and the combine, so it has no kernel body of its own.
+
+Prefill is bound by arithmetic: pairs of the same expert are multiplied together in 64-row tiles.
+
+1. Metadata on device, static shapes: per expert its pair count and `ceil(count / 64)` tiles; a stable
+   argsort of the pairs by expert; each pair's row in the block-aligned layout (`64 · first tile of its
+   expert + rank within the expert`), so that every tile holds rows of one expert only; the table
+   `tile_expert[tile]` (a searchsorted of the tile offsets: one lookup per tile, done once, read by the kernels
+   in constant time) and the number of tiles in use. Ids outside [0, E) (zero-computation experts) get no row.
+2. Rows gathered into that layout (padding rows are zero) -> `gate_up_tiles` (gate and up in one pass, two
+   float32 accumulators, activation in the epilogue) -> h -> `down_tiles` -> float32 rows. The kernels' loop
+   runs `num_tiles · column blocks` work items, a device value: no program exists for an empty expert, and at
+   most `ceil(T·K / 64) + min(E, T·K)` tiles exist at all.
+3. Each pair's row is gathered back and the slots of a token are summed with their weights in slot order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.expert_tiles import (
+    TILE_ROWS,
+    TileBlockSizes,
+    check_activation,
+    check_moe_inputs,
+    combine_slots,
+    dense_reference,
+    down_tiles,
+    gate_up_tiles,
+    pad_biases,
+    pad_experts,
+    round_up,
+)
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedBlockSizes:
+    """Blocks of the two grouped kernels (see `TileBlockSizes`); rows per tile are fixed at 64."""
+
+    gate_up: TileBlockSizes
+    down: TileBlockSizes
+
+    def __post_init__(self) -> None:
+        for name in ("gate_up", "down"):
+            if not isinstance(getattr(self, name), TileBlockSizes):
+                raise ValueError(f"GroupedBlockSizes.{name} must be a TileBlockSizes, got {getattr(self, name)!r}")
+
+    @classmethod
+    def default(cls, hidden: int, inter: int, dtype: Any, *, interpret: bool = False) -> GroupedBlockSizes:
+        """The largest of 128/64 columns dividing I (gate/up) and H (down); 128-byte contraction rows."""
+        return cls(
+            gate_up=TileBlockSizes.default(inter, hidden, dtype, interpret=interpret),
+            down=TileBlockSizes.default(hidden, inter, dtype, interpret=interpret),
+        )
+
+
+def max_tiles(num_pairs: int, num_experts: int) -> int:
+    """Static bound on `Σ_e ceil(count_e / 64)`: each non-empty expert wastes less than one tile."""
+    return max(1, min(num_pairs, -(-num_pairs // TILE_ROWS) + min(num_experts, num_pairs)))
+
+
+def block_aligned_layout(indices: Array, num_experts: int) -> tuple[Array, Array, Array, Array]:
+    """The tile table of step 1 (module docstring), on device.
+
+    Returns:
+      pair_row `[T·K] int32`: each pair's row in the block-aligned layout (R = 64·max_tiles for ids outside).
+      row_pair `[R] int32`: the pair in each row (T·K for padding rows).
+      tile_expert `[max_tiles] int32`: the expert of each tile (clamped into [0, E) past the tiles in use).
+      num_tiles `[1] int32`: tiles in use.
+    """
+    M = indices.size
+    E = num_experts
+    n_tiles = max_tiles(M, E)
+    R = n_tiles * TILE_ROWS
+    ids = indices.reshape(-1).astype(jnp.int32)
+    expert_of_pair = jnp.where((ids >= 0) & (ids < E), ids, E)  # [M]; outside -> bucket E, sorted last
+    counts = jnp.bincount(expert_of_pair, length=E + 1)[:E]  # [E]
+    tiles = (counts + TILE_ROWS - 1) // TILE_ROWS
+    tile_end = jnp.cumsum(tiles)
+    first_tile = tile_end - tiles
+    first_sorted = jnp.cumsum(counts) - counts  # [E] first sorted position of each expert
+    order = jnp.argsort(expert_of_pair, stable=True)  # [M] the pair at each sorted position
+    sorted_expert = expert_of_pair[order]
+    safe = jnp.minimum(sorted_expert, E - 1)
+    rank = jnp.arange(M, dtype=jnp.int32) - first_sorted[safe]
+    row_of_sorted = jnp.where(sorted_expert < E, first_tile[safe] * TILE_ROWS + rank, R)
+    pair_row = jnp.zeros(M, jnp.int32).at[order].set(row_of_sorted.astype(jnp.int32))
+    row_pair = jnp.full(R, M, jnp.int32).at[row_of_sorted].set(order.astype(jnp.int32), mode="drop")
+    tile_ids = jnp.arange(n_tiles, dtype=jnp.int32)
+    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, tile_ids, side="right"), E - 1).astype(jnp.int32)
+    return pair_row, row_pair, tile_expert, tile_end[-1:].astype(jnp.int32)
+
+
+def moe_grouped(
+    x: Array,
+    gate: Array,
+    up: Array,
+    down: Array,
+    indices: Array,
+    weights: Array,
+    in_scale: Array | None = None,
+    *,
+    activation: str = "silu",
+    limit: float | None = None,
+    clamp_order: str = "before_activation",
+    alpha: float = 1.702,
+    gate_bias: Array | None = None,
+    up_bias: Array | None = None,
+    down_bias: Array | None = None,
+    block_sizes: GroupedBlockSizes | None = None,
+    interpret: bool = False,
+) -> Array:
+    """Routed experts for any number of rows: `Σ_k weights[t,k] · E_{indices[t,k]}(in_scale[t,k] · x[t])`.
+
+    Args:
+      x: `[T, H]` rows (cast to the weight dtype for the matmuls).
+      gate, up: `[E, H, I]`; down: `[E, I, H]`, one of bf16 (fast path), f16, f32 (TF32 on a GPU).
+      indices: `[T, K]` int expert ids; ids outside [0, E) contribute nothing.
+      weights: `[T, K]` output weight of each slot. in_scale: `[T, K]` input scale of each slot, or None.
+      activation, limit, clamp_order, alpha: the gated activation (see `expert_tiles.gated_activation`).
+      gate_bias, up_bias: `[E, I]`, down_bias: `[E, H]`, all or none (gpt-oss): added in float32 to the
+        gate/up accumulators before the activation and to the down output.
+      block_sizes: `GroupedBlockSizes`, default `GroupedBlockSizes.default(H, I, dtype)`.
+      interpret: run on CPU under the Mosaic GPU interpreter.
+
+    Returns:
+      `[T, H]` float32.
+    """
+    biases = (gate_bias, up_bias, down_bias)
+    check_moe_inputs("moe_grouped", x, gate, up, down, indices, weights, in_scale, biases)
+    check_activation(activation, limit, clamp_order, alpha)
+    T, H = x.shape
+    E, _, I = gate.shape
+    K = indices.shape[1]
+    dtype = gate.dtype
+    bs = block_sizes or GroupedBlockSizes.default(H, I, dtype, interpret=interpret)
+    hidden = round_up(H, math.lcm(bs.gate_up.block_k, bs.down.block_n))
+    inter = round_up(I, math.lcm(bs.gate_up.block_n, bs.down.block_k))
+    M = T * K
+
+    pair_row, row_pair, tile_expert, num_tiles = block_aligned_layout(indices, E)
+    x, gate, up, down = pad_experts(x, gate, up, down, hidden, inter)
+    gate_bias, up_bias, down_bias = pad_biases(biases, hidden, inter)
+    padding = row_pair >= M
+    token_of_row = jnp.where(padding, T, row_pair // K)  # row T of x_ext is zeros
+    if in_scale is None:
+        x_ext = jnp.concatenate([x.astype(dtype), jnp.zeros((1, hidden), dtype)])
+        rows = x_ext[token_of_row]  # [R, H]
+    else:
+        x_ext = jnp.concatenate([x.astype(jnp.float32), jnp.zeros((1, hidden), jnp.float32)])
+        scale = jnp.where(padding, 0.0, in_scale.reshape(-1).astype(jnp.float32)[jnp.minimum(row_pair, M - 1)])
+        rows = (x_ext[token_of_row] * scale[:, None]).astype(dtype)
+    tile_block = jnp.arange(tile_expert.shape[0], dtype=jnp.int32)
+
+    h = gate_up_tiles(
+        rows,
+        gate,
+        up,
+        tile_expert,
+        tile_block,
+        num_tiles,
+        activation=activation,
+        limit=limit,
+        clamp_order=clamp_order,
+        alpha=alpha,
+        gate_bias=gate_bias,
+        up_bias=up_bias,
+        block_sizes=bs.gate_up,
+        interpret=interpret,
+    )  # [R, I]
+    y = down_tiles(h, down, tile_expert, num_tiles, down_bias=down_bias, block_sizes=bs.down, interpret=interpret)
+    per_pair = y[jnp.minimum(pair_row, y.shape[0] - 1), :H]  # [M, H]; rows of ids outside are masked below
+    return combine_slots(per_pair.reshape(T, K, H), indices, weights, E)
+
+
+def moe_grouped_reference(
+    x: Array,
+    gate: Array,
+    up: Array,
+    down: Array,
+    indices: Array,
+    weights: Array,
+    in_scale: Array | None = None,
+    *,
+    activation: str = "silu",
+    limit: float | None = None,
+    clamp_order: str = "before_activation",
+    alpha: float = 1.702,
+    gate_bias: Array | None = None,
+    up_bias: Array | None = None,
+    down_bias: Array | None = None,
+    block_sizes: GroupedBlockSizes | None = None,
+    interpret: bool = False,
+) -> Array:
+    """Plain-jnp `moe_grouped` (dense over experts); `block_sizes` and `interpret` exist for signature parity."""
+    del block_sizes, interpret
+    check_moe_inputs(
+        "moe_grouped_reference", x, gate, up, down, indices, weights, in_scale, (gate_bias, up_bias, down_bias)
+    )
+    return dense_reference(
+        x,
+        gate,
+        up,
+        down,
+        indices,
+        weights,
+        in_scale,
+        activation=activation,
+        limit=limit,
+        clamp_order=clamp_order,
+        alpha=alpha,
+        gate_bias=gate_bias,
+        up_bias=up_bias,
+        down_bias=down_bias,
+    )
