@@ -1,0 +1,501 @@
+"""Expert parallelism (EP) and tensor parallelism (TP) of the MoE block with `shard_map`.
+
+The only module that knows about meshes and collectives: it wraps the functional core (`moejax.route`,
+`moejax.forward.expert_input`, the plans of `moejax.plans`, `moejax.experts.shared_expert_ffn`) in `shard_map`.
+
+Layout (`shard_params`): routed experts split over `expert_axis` (each device holds E/n consecutive experts,
+device d owns ids `[d·E/n, (d+1)·E/n)`); the router, its buffers and the experts' pre-norm replicated (every
+device routes the tokens it holds); with a `tensor_axis`, the expert intermediate dimension I and the shared
+expert's Is split over it (the gated activation is elementwise over I, so a split of I gives exact partial sums).
+
+Two modes of `moe_forward_ep`:
+
+"replicated" (decode, small batches): every device holds all T tokens.
+  1. Route all tokens (identically on every device).
+  2. Remap the routing to local expert ids; a slot whose expert lives elsewhere gets the sentinel id E/n,
+     which every plan treats like a zero-computation expert: weight 0, never computed, its weights never read.
+  3. Run the plan (decode or grouped) on the local experts: this device's partial routed sum `[T, H]`.
+  4. `psum` over the expert axis (and the tensor axis).
+  5. Exactly once, after the reduction: the output scaling (Step-3.7), the zero-expert term and the shared
+     expert with its sigmoid gate (before the reduction they would be counted n times).
+
+"all_to_all" (prefill): tokens sharded over the expert axis (T padded to a multiple of n).
+  1. Each device routes its T/n tokens.
+  2. Dispatch: for each destination device d, the rows of the tokens with at least one slot on d, compacted
+     in token order, with their slots' local ids and weights (other slots carry the sentinel). A token goes to
+     a device at most once, so a `[n, T/n, H]` buffer is dropless whatever the routing (worst case: every
+     token to one device). `jax.lax.all_to_all` swaps the blocks.
+  3. Each device runs the plan on the n·T/n rows it received (its own experts only) and sends each row's
+     weighted partial sum back (float32, a second `all_to_all`).
+  4. Each token sums the partials of the devices it visited, then the once-terms of step 5 above.
+
+Only the rows a token needs are filled, compacted at the front of each block, so a ragged all-to-all
+(`jax.lax.ragged_all_to_all`, GPU only) can later send just those rows; on CPU the static buffer moves whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moejax.config import MoEConfig, ScalingTarget, SharedExpert
+from moejax.experts import shared_expert_ffn
+from moejax.forward import check_inputs, expert_input, resolve_impl, routed_implementation
+from moejax.params import LOGICAL_AXES, ExpertWeights, MoEParams, SharedParams, expected_shapes, unflatten
+from moejax.plans import grouped_block_rows, grouped_plan
+from moejax.routing import Routing, route
+
+Array = jax.Array
+EPMode = Literal["replicated", "all_to_all"]
+EP_MODES = ("replicated", "all_to_all")
+
+# The varying-manual-axes check is off: the plans' loops start from fresh (device-invariant) zeros and carry
+# values that vary over the expert axis, and the math must not learn about sharding to satisfy the checker.
+# Replication of the outputs holds by construction (psum results and terms computed from replicated inputs).
+if hasattr(jax, "shard_map"):
+
+    def _shard_map(f: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+else:  # JAX versions before `jax.shard_map` became public.
+    from jax.experimental.shard_map import shard_map as _experimental_shard_map
+
+    def _shard_map(f: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
+        return _experimental_shard_map(f, mesh, in_specs, out_specs, check_rep=False)
+
+
+def _is_explicit(mesh: Mesh) -> bool:
+    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _match_specs(tree, specs, mesh: Mesh):
+    """On a mesh with explicit axes, array types carry their sharding and `shard_map` wants them to equal its
+    in_specs: reshard (a no-op when they already match). Auto meshes reshard on their own."""
+    if not _is_explicit(mesh):
+        return tree
+    return jax.tree.map(lambda s, a: jax.sharding.reshard(a, NamedSharding(mesh, s)), specs, tree)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EPStats:
+    """Device-side routing statistics of one `moe_forward_ep` call (n = size of the expert axis).
+
+    "Local" is relative to the device that holds the token: in "replicated" mode every device holds every
+    token, so each device's pairs are all local and nothing is sent; in "all_to_all" mode a pair is local
+    when its expert lives on the token's own device.
+    """
+
+    local_pairs: Array  # [n] int32 (token, slot) pairs computed where the token lives
+    remote_pairs: Array  # [n] int32 pairs of this device's tokens computed on another device
+    remote_rows: Array  # [n] int32 token rows this device sends to other devices (what a ragged all-to-all moves)
+    expert_load: Array  # [E] int32 pairs routed to each expert (zero-computation experts left out)
+
+
+# -- layout -------------------------------------------------------------------------------------------------
+
+
+def logical_axis_rules(expert_axis: str = "expert", tensor_axis: str | None = None) -> tuple[tuple[str, str | None]]:
+    """Logical axis name -> mesh axis (`flax.nnx.logical_axis_rules` form) for the names of `LOGICAL_AXES`."""
+    return (("expert", expert_axis), ("mlp", tensor_axis), ("embed", None))
+
+
+def runs_replicated(name: str) -> bool:
+    """Whether parameter `name` is replicated whatever the rules: the router (Gemma-4's per-expert scale
+    included, though its logical axis is `expert`) and the expert pre-norm run on every device for the tokens
+    that device holds."""
+    return not name.startswith(("experts.", "shared."))
+
+
+def param_specs(cfg: MoEConfig, *, expert_axis: str = "expert", tensor_axis: str | None = None) -> MoEParams:
+    """The `PartitionSpec` of every parameter of `cfg`, as a `MoEParams` pytree (the `shard_map` in_specs)."""
+    rules = dict(logical_axis_rules(expert_axis, tensor_axis))
+    specs = {
+        name: P() if runs_replicated(name) else P(*(rules[a] if a else None for a in LOGICAL_AXES[name]))
+        for name in expected_shapes(cfg)
+    }
+    return unflatten(specs)
+
+
+def check_mesh(cfg: MoEConfig, mesh: Mesh, expert_axis: str | None, tensor_axis: str | None = None) -> None:
+    """`ValueError` when the mesh lacks an axis or an axis does not divide the dimension it splits."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    for role, axis in (("expert_axis", expert_axis), ("tensor_axis", tensor_axis)):
+        if axis is not None and axis not in mesh.shape:
+            raise ValueError(f"{role}={axis!r} is not an axis of the mesh (axes {tuple(mesh.axis_names)})")
+    if tensor_axis is not None and tensor_axis == expert_axis:
+        raise ValueError(f"tensor_axis and expert_axis must differ, both are {expert_axis!r}")
+    n = 1 if expert_axis is None else mesh.shape[expert_axis]
+    if cfg.num_experts % n:
+        raise ValueError(
+            f"num_experts E={cfg.num_experts} is not divisible by the size {n} of expert axis {expert_axis!r}"
+        )
+    if tensor_axis is not None:
+        tp = mesh.shape[tensor_axis]
+        sizes = {"intermediate_size": cfg.intermediate_size, "shared_intermediate_size": cfg.shared_intermediate_size}
+        for field, size in sizes.items():
+            if size % tp:
+                raise ValueError(f"{field}={size} is not divisible by the size {tp} of tensor axis {tensor_axis!r}")
+
+
+def shard_params(
+    params: MoEParams,
+    cfg: MoEConfig,
+    mesh: Mesh,
+    *,
+    expert_axis: str | None = "expert",
+    tensor_axis: str | None = None,
+) -> MoEParams:
+    """Place `params` on `mesh`: experts split over `expert_axis` (and I over `tensor_axis`), the rest replicated.
+
+    `expert_axis=None` replicates the experts too (a mesh used for other axes only).
+
+    Works across processes (multi-host): every process passes the same full values (e.g. host numpy arrays
+    or its own copy) and keeps only the shards of its own devices.
+
+    Raises:
+      ValueError: E is not divisible by the expert-axis size (the message names both), I or Is not divisible
+        by the tensor-axis size, or an axis is missing from the mesh.
+    """
+    check_mesh(cfg, mesh, expert_axis, tensor_axis)
+    specs = param_specs(cfg, expert_axis=expert_axis, tensor_axis=tensor_axis)
+
+    def place(value, spec: P) -> Array:
+        sharding = NamedSharding(mesh, spec)
+        if sharding.is_fully_addressable:
+            return jax.device_put(value, sharding)
+        # Another process owns some shards: build the global array from this process's shards only.
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(place, params, specs)
+
+
+# -- per-device pieces (run inside shard_map) ----------------------------------------------------------------
+
+
+def local_config(cfg: MoEConfig, num_local: int) -> MoEConfig:
+    """The expert math of `cfg` over `num_local` local experts, as the plans read it.
+
+    The plans and kernels read `num_experts` (ids >= it are not computed), `weights_on_input`,
+    `hash_routing` and the activation fields; the selection fields, which they never read, are reset to values
+    valid at the local size.
+    """
+    return cfg.replace(
+        num_experts=num_local,
+        num_zero_experts=0,
+        top_k=min(cfg.top_k, num_local),
+        n_group=1,
+        topk_group=1,
+    )
+
+
+def localize(routing: Routing, first: Array, num_local: int) -> Routing:
+    """Routing restricted to experts `[first, first + num_local)`, renumbered from 0.
+
+    Other slots (remote experts and zero-computation experts) get the id `num_local` and weight 0: the plans
+    treat ids >= the local expert count like zero-computation experts, so they are never computed or read.
+    """
+    local = routing.indices - first
+    mine = (local >= 0) & (local < num_local)
+    return Routing(
+        indices=jnp.where(mine, local, num_local),
+        weights=jnp.where(mine, routing.weights, 0.0),
+        logits=routing.logits,
+    )
+
+
+def partial_routed_sum(
+    experts: ExpertWeights,
+    x_e: Array,
+    routing: Routing,
+    cfg: MoEConfig,
+    *,
+    impl: str,
+    num_pairs: int,
+    tensor_axis: str | None = None,
+) -> Array:
+    """This device's share of `Σ_k w_k·E_k(x_e)`: `[R, H]` float32 over the local experts (and I-slice).
+
+    Args:
+      experts: the local experts `[E/n, H, I/tp]`.
+      x_e: `[R, H]` expert input.
+      routing: `[R, K]` in local ids (`localize`); ids >= E/n contribute nothing.
+      cfg: the global config.
+      impl: the routed implementation as `moe_forward` takes it, resolved here for R rows.
+      num_pairs: the global number of (token, slot) pairs; sizes the grouped plan's blocks for the expected
+        load per expert rather than for the R·K slots seen here, most of which are not local.
+      tensor_axis: when I is split, the down-projection bias is added by tensor shard 0 only.
+    """
+    if tensor_axis is not None and experts.down_bias is not None:
+        first_shard = jax.lax.axis_index(tensor_axis) == 0
+        experts = dataclasses.replace(experts, down_bias=jnp.where(first_shard, experts.down_bias, 0))
+    local_cfg = local_config(cfg, experts.num_experts)
+    name = resolve_impl(impl, x_e.shape[0], cfg)
+    if name == "reference":
+        experts = jax.tree.map(lambda w: w.astype(jnp.float32), experts)
+    if name == "xla_grouped":
+        plan = functools.partial(grouped_plan, block_rows=grouped_block_rows(num_pairs, cfg.num_experts))
+    else:
+        plan = routed_implementation(impl, x_e.shape[0], cfg)
+    return plan(experts, x_e, routing, local_cfg)
+
+
+def add_once(
+    routed: Array,
+    x_e: Array,
+    routing: Routing,
+    shared: SharedParams | None,
+    cfg: MoEConfig,
+    *,
+    tensor_axis: str | None = None,
+    reference: bool = False,
+) -> Array:
+    """The terms added exactly once, to the routed sum already reduced over the expert axis. `[T, H]` float32.
+
+    Output scaling (Step-3.7), `+ zero_weight·x_e` (LongCat), `+ shared(x_e)` with its sigmoid gate; with a
+    tensor axis the shared expert's partial sums (over its Is slice) are reduced over it. The gate multiplies
+    each partial, which is exact because the reduction is linear.
+    """
+    out = routed
+    if cfg.scaling_target is ScalingTarget.OUTPUT and cfg.routed_scaling_factor != 1.0:
+        out = out * cfg.routed_scaling_factor
+    if routing.zero_weight is not None:
+        out = out + routing.zero_weight[:, None] * x_e.astype(jnp.float32)
+    if shared is not None:
+        if reference:
+            shared = jax.tree.map(lambda w: w.astype(jnp.float32), shared)
+        y = shared_expert_ffn(x_e, shared, cfg)  # [T, H]
+        if tensor_axis is not None:
+            y = jax.lax.psum(y, tensor_axis)
+        out = out + y
+    return out
+
+
+def _expert_load(routing: Routing, cfg: MoEConfig, valid: Array | None = None) -> Array:
+    """Pairs per routed expert `[E]` int32 (zero experts and invalid rows left out)."""
+    E = cfg.num_experts
+    ids = routing.indices if valid is None else jnp.where(valid[:, None], routing.indices, E)
+    return jnp.bincount(jnp.minimum(ids.reshape(-1), E), length=E + 1)[:E].astype(jnp.int32)
+
+
+def _replicated_body(params, x, token_ids, *, cfg, impl, expert_axis, tensor_axis):
+    """Per device: all T tokens `x [T, H]`, local experts -> (`[T, H]` float32 replicated, stats pieces)."""
+    T = x.shape[0]
+    num_local = params.experts.num_experts
+    me = jax.lax.axis_index(expert_axis)
+    routing = route(params, x, cfg, token_ids)
+    x_e = expert_input(params, x, cfg)
+    local = localize(routing, me * num_local, num_local)
+    partial = partial_routed_sum(
+        params.experts, x_e, local, cfg, impl=impl, num_pairs=T * cfg.top_k, tensor_axis=tensor_axis
+    )
+    axes = expert_axis if tensor_axis is None else (expert_axis, tensor_axis)
+    routed = jax.lax.psum(partial, axes)
+    out = add_once(routed, x_e, routing, params.shared, cfg, tensor_axis=tensor_axis, reference=impl == "reference")
+    load = _expert_load(routing, cfg)
+    mine = jax.lax.dynamic_slice_in_dim(load, me * num_local, num_local).sum(keepdims=True)
+    zero = jnp.zeros((1,), jnp.int32)
+    return out, EPStats(local_pairs=mine, remote_pairs=zero, remote_rows=zero, expert_load=load)
+
+
+def _all_to_all_body(params, x, token_ids, *, cfg, impl, expert_axis, tensor_axis, num_tokens, n):
+    """Per device: its `x [T/n, H]` tokens; dispatch, compute, return, combine -> (`[T/n, H]` float32, stats)."""
+    T_l, H = x.shape
+    K, E = cfg.top_k, cfg.num_experts
+    num_local = params.experts.num_experts
+    me = jax.lax.axis_index(expert_axis)
+    routing = route(params, x, cfg, token_ids)  # [T_l, K]
+    x_e = expert_input(params, x, cfg)  # [T_l, H]
+    valid = me * T_l + jnp.arange(T_l) < num_tokens  # [T_l] False on the padding rows
+    real = (routing.indices < E) & valid[:, None]  # [T_l, K] slots that need an expert
+    devices = jnp.arange(n)
+    owner = jnp.where(real, routing.indices // num_local, n)  # [T_l, K]; n: nobody
+    slot_on = owner[:, None, :] == devices[None, :, None]  # [T_l, n, K]
+    needs = slot_on.any(-1)  # [T_l, n] token t has a slot on device d
+    row = jnp.where(needs, jnp.cumsum(needs, axis=0) - 1, T_l)  # [T_l, n] its row in block d; T_l: not sent
+
+    # Dispatch buffers [n, T_l, ...]: block d holds the rows for device d, compacted at the front.
+    local_ids = jnp.where(slot_on, routing.indices[:, None, :] - devices[None, :, None] * num_local, num_local)
+    local_w = jnp.where(slot_on, routing.weights[:, None, :], 0.0)  # [T_l, n, K]
+    # Ids and weights travel in one int32 buffer (weights bitcast: integers are never flushed or rounded).
+    meta = jnp.concatenate([local_ids, jax.lax.bitcast_convert_type(local_w, jnp.int32)], -1)  # [T_l, n, 2K]
+    at = (devices[None, :], row)  # scatter index [T_l, n]; rows == T_l are dropped
+    send_x = jnp.zeros((n, T_l, H), x_e.dtype).at[at].set(jnp.broadcast_to(x_e[:, None], (T_l, n, H)), mode="drop")
+    empty = jnp.concatenate([jnp.full((n, T_l, K), num_local, jnp.int32), jnp.zeros((n, T_l, K), jnp.int32)], -1)
+    send_meta = empty.at[at].set(meta, mode="drop")  # [n, T_l, 2K]; empty rows: sentinel ids, weight 0
+
+    recv_x = jax.lax.all_to_all(send_x, expert_axis, 0, 0)  # [n, T_l, H] block s: rows from device s
+    recv_meta = jax.lax.all_to_all(send_meta, expert_axis, 0, 0)
+    R = n * T_l
+    recv_meta = recv_meta.reshape(R, 2 * K)
+    received = Routing(
+        indices=recv_meta[:, :K],
+        weights=jax.lax.bitcast_convert_type(recv_meta[:, K:], jnp.float32),
+        logits=jnp.zeros((R, 0), jnp.float32),  # the plans never read the logits
+    )
+    partial = partial_routed_sum(
+        params.experts,
+        recv_x.reshape(R, H),
+        received,
+        cfg,
+        impl=impl,
+        num_pairs=num_tokens * K,
+        tensor_axis=tensor_axis,
+    )  # [R, H] float32
+    back = jax.lax.all_to_all(partial.reshape(n, T_l, H), expert_axis, 0, 0)  # block d: my rows, done by d
+    per_device = back[devices[None, :], jnp.minimum(row, T_l - 1)]  # [T_l, n, H]
+    routed = jnp.where(needs[..., None], per_device, 0.0).sum(1)  # [T_l, H]
+    if tensor_axis is not None:
+        routed = jax.lax.psum(routed, tensor_axis)
+    out = add_once(routed, x_e, routing, params.shared, cfg, tensor_axis=tensor_axis, reference=impl == "reference")
+
+    mine = owner == me
+    local_pairs = mine.sum(dtype=jnp.int32)
+    stats = EPStats(
+        local_pairs=local_pairs[None],
+        remote_pairs=(real.sum(dtype=jnp.int32) - local_pairs)[None],
+        remote_rows=(needs.sum(dtype=jnp.int32) - needs[:, me].sum(dtype=jnp.int32))[None],
+        expert_load=jax.lax.psum(_expert_load(routing, cfg, valid), expert_axis),
+    )
+    return out, stats
+
+
+# -- communication volume ------------------------------------------------------------------------------------
+
+
+def communication_bytes(
+    cfg: MoEConfig,
+    num_tokens: int,
+    *,
+    mode: EPMode,
+    expert_size: int,
+    tensor_size: int = 1,
+    dtype: jnp.dtype = jnp.float32,
+) -> dict[str, int]:
+    """Bytes one device sends per `moe_forward_ep` call, from the shapes (the static buffers, whatever the routing).
+
+    A psum over g devices is counted as a ring all-reduce, `2·(g-1)/g` of the buffer; an all-to-all over n devices
+    sends `(n-1)/n` of its buffer (the block for the device itself stays). Inputs are taken as already placed
+    (replicated for "replicated", split for "all_to_all").
+
+    Returns:
+      {"dispatch": tokens and slot metadata sent, "combine": partial results sent back, "reduce": psums, "total"}.
+    """
+    n, tp, H, K = expert_size, tensor_size, cfg.hidden_size, cfg.top_k
+    itemsize, f32 = jnp.dtype(dtype).itemsize, 4
+
+    def all_reduce(group: int, nbytes: int) -> int:
+        return 2 * (group - 1) * nbytes // group
+
+    shared = cfg.shared_expert is not SharedExpert.NONE and tp > 1
+    if mode == "replicated":
+        reduce = all_reduce(n * tp, num_tokens * H * f32) + shared * all_reduce(tp, num_tokens * H * f32)
+        sizes = {"dispatch": 0, "combine": 0, "reduce": reduce}
+    elif mode == "all_to_all":
+        T_l = -(-num_tokens // n)
+        sent_rows = (n - 1) * T_l  # [n, T_l] rows minus this device's own block
+        sizes = {
+            "dispatch": sent_rows * (H * itemsize + 2 * K * 4),  # token row + int32 ids and weights per slot
+            "combine": sent_rows * H * f32,
+            "reduce": (1 + shared) * all_reduce(tp, T_l * H * f32),
+        }
+    else:
+        raise ValueError(f"mode={mode!r} is not one of {EP_MODES}")
+    return {**sizes, "total": sum(sizes.values())}
+
+
+# -- public entry point ------------------------------------------------------------------------------------
+
+
+def moe_forward_ep(
+    params: MoEParams,
+    x: Array,
+    cfg: MoEConfig,
+    *,
+    mesh: Mesh,
+    expert_axis: str = "expert",
+    tensor_axis: str | None = None,
+    mode: EPMode = "replicated",
+    token_ids: Array | None = None,
+    impl: str = "auto",
+    return_stats: bool = False,
+) -> Array | tuple[Array, EPStats]:
+    """`moejax.moe_forward` with the routed experts split over `expert_axis` of `mesh`. Jit-able.
+
+    Args:
+      params: `MoEParams`, best placed by `shard_params` (other placements are resharded by XLA).
+      x: `[..., H]` block input.
+      cfg: the block's math (static).
+      mesh: a mesh with `expert_axis` (and `tensor_axis`); may span several processes.
+      expert_axis: the axis the experts (and, in "all_to_all" mode, the tokens) are split over.
+      tensor_axis: optional axis the intermediate dims I and Is are split over.
+      mode: "replicated" (tokens on every device, one psum) or "all_to_all" (tokens split, dispatch/combine);
+        see the module docstring.
+      token_ids: `[...]` integer token ids (hash routing).
+      impl: routed implementation as in `moe_forward` ("auto" picks the decode plan for at most 8 rows).
+      return_stats: also return `EPStats`.
+    Returns:
+      `[..., H]` in x's dtype (and `EPStats` when `return_stats`).
+
+    Raises:
+      ValueError: unknown mode or impl, a mesh axis missing, E not divisible by the expert-axis size, or
+        the shape errors of `moe_forward`.
+    """
+    if mode not in EP_MODES:
+        raise ValueError(f"mode={mode!r} is not one of {EP_MODES}")
+    check_mesh(cfg, mesh, expert_axis, tensor_axis)
+    check_inputs(params, x, cfg, token_ids)
+    n = mesh.shape[expert_axis]
+    flat = x.reshape(-1, cfg.hidden_size)  # [T, H]
+    tids = None if token_ids is None else token_ids.reshape(-1)
+    T = flat.shape[0]
+    specs = param_specs(cfg, expert_axis=expert_axis, tensor_axis=tensor_axis)
+    stat_specs = EPStats(
+        local_pairs=P(expert_axis), remote_pairs=P(expert_axis), remote_rows=P(expert_axis), expert_load=P()
+    )
+    if mode == "replicated":
+        body = functools.partial(
+            _replicated_body,
+            cfg=cfg,
+            impl=impl,
+            expert_axis=expert_axis,
+            tensor_axis=tensor_axis,
+        )
+        token_spec = P()
+    else:
+        T_pad = math.ceil(T / n) * n
+        if T_pad != T:  # padding rows are marked invalid inside and send nothing
+            flat = jnp.pad(flat, ((0, T_pad - T), (0, 0)))
+            tids = None if tids is None else jnp.pad(tids, (0, T_pad - T))
+        body = functools.partial(
+            _all_to_all_body,
+            cfg=cfg,
+            impl=impl,
+            expert_axis=expert_axis,
+            tensor_axis=tensor_axis,
+            num_tokens=T,
+            n=n,
+        )
+        token_spec = P(expert_axis)
+    fn = _shard_map(body, mesh, in_specs=(specs, token_spec, token_spec), out_specs=(token_spec, stat_specs))
+    args = _match_specs((params, flat, tids), (specs, token_spec, token_spec), mesh)
+    out, stats = fn(*args)
+    if _is_explicit(mesh) and token_spec != P() and (out.shape[0] != T or x.ndim != 2):
+        # Explicit sharding types reject slicing off the padding or splitting T back into x's leading dims
+        # while T is split unevenly: gather first (the result then follows x's own sharding below).
+        out = jax.sharding.reshard(out, NamedSharding(mesh, P()))
+    y = out[:T].astype(x.dtype).reshape(x.shape)
+    if _is_explicit(mesh):
+        y = jax.sharding.reshard(y, NamedSharding(mesh, jax.typeof(x).sharding.spec))
+    return (y, stats) if return_stats else y

@@ -1,0 +1,303 @@
+"""Expert parallelism on 8 simulated CPU devices against the single-device `moe_forward`.
+
+Every program is jitted once per (config, mesh) and cached at module level, so tests that only change values
+(routing, inputs) reuse it; the 8-device compiles dominate the run time on a small CPU.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from multihost_worker import numpy_params
+
+import moejax
+from moejax import parallel
+from moejax.experts import shared_expert_ffn
+from moejax.forward import expert_input
+from moejax.params import flatten
+
+# LLVM optimisation off: the 8-device programs compile about twice as fast (results checked to the same tolerance).
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+TOL = {"rtol": 2e-5, "atol": 2e-5}
+# The grid runs the decode plan in both modes (replicated: T=8; all_to_all: 7 tokens padded to 8 rows received
+# per device), which compiles fastest; the tensor-axis and module tests run the grouped plan (T > 8).
+T_DECODE = 8
+T_PREFILL = 7
+T_GROUPED = (12, 13)
+SMALL = {"hidden_size": 32, "intermediate_size": 16}
+
+CONFIGS = {
+    # gated shared expert
+    "qwen3_next": moejax.MoEConfig.preset("qwen3_next", **SMALL, shared_intermediate_size=16),
+    # ungated shared expert, group-limited routing (4 groups, 2 kept), E=32
+    "deepseek_v3": moejax.MoEConfig.preset("deepseek_v3", **SMALL),
+    # zero-computation experts: E=16 real (divisible by 8) + 8 identity experts
+    "longcat_flash": moejax.MoEConfig.preset("longcat_flash", **SMALL, num_experts=16, num_zero_experts=8),
+    # hash routing by token id, clamped experts and shared expert
+    "deepseek_v4": moejax.MoEConfig.preset("deepseek_v4", **SMALL, hash_routing=True, vocab_size=64),
+}
+TENSOR_CONFIGS = {
+    "qwen3_next": CONFIGS["qwen3_next"],
+    "gpt_oss": moejax.MoEConfig.preset("gpt_oss", **SMALL),  # expert biases: the down bias once per I split
+    "step3p7": moejax.MoEConfig.preset("step3p7", **SMALL, shared_intermediate_size=16),  # output scaling
+}
+# Every term that must be added exactly once: zero experts, a sigmoid-gated shared expert.
+ONCE_CFG = CONFIGS["longcat_flash"].replace(shared_expert="sigmoid_gated", shared_intermediate_size=16)
+
+
+def _mesh(n: int) -> Mesh:
+    return jax.make_mesh((n,), ("expert",), devices=jax.devices()[:n])
+
+
+def _tensor_mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()).reshape(2, 4), ("expert", "tensor"))  # Auto axes (make_mesh: Explicit)
+
+
+@functools.cache
+def _case(cfg: moejax.MoEConfig, t_replicated: int = T_DECODE, t_all_to_all: int = T_PREFILL, seed: int = 0):
+    """(params, x_replicated, x_all_to_all, tids_replicated, tids_all_to_all) and the single-device outputs."""
+    rng = np.random.default_rng(seed + 1)
+    xd = jnp.asarray(rng.standard_normal((t_replicated, cfg.hidden_size), np.float32))
+    xf = jnp.asarray(rng.standard_normal((t_all_to_all, cfg.hidden_size), np.float32))
+    td = tf = None
+    if cfg.hash_routing:
+        td, tf = (jnp.asarray(rng.integers(0, cfg.vocab_size, t, dtype=np.int32)) for t in (t_replicated, t_all_to_all))
+    inputs = (numpy_params(cfg, seed), xd, xf, td, tf)
+    return inputs, _reference(*inputs, cfg)
+
+
+@functools.partial(jax.jit, static_argnums=5, compiler_options=FAST)
+def _reference(params, xd, xf, td, tf, cfg):
+    return moejax.moe_forward(params, xd, cfg, td), moejax.moe_forward(params, xf, cfg, tf)
+
+
+@functools.cache
+def _both_modes(cfg: moejax.MoEConfig, mesh: Mesh, tensor_axis: str | None = None):
+    """A jitted program running "replicated" on the decode input and "all_to_all" on the prefill input."""
+    traces = []
+
+    def run(params, xd, xf, td, tf):
+        traces.append(1)  # counts traces: a retrace would be a recompile
+        ep = functools.partial(moe_forward_ep, cfg=cfg, mesh=mesh, tensor_axis=tensor_axis, return_stats=True)
+        return ep(params, xd, mode="replicated", token_ids=td), ep(params, xf, mode="all_to_all", token_ids=tf)
+
+    return jax.jit(run, compiler_options=FAST), traces
+
+
+moe_forward_ep = parallel.moe_forward_ep
+
+
+def _placed(mesh: Mesh, *arrays):
+    """Inputs committed to the mesh, replicated, as the EP program's callers hold them (no transfer at call time)."""
+    return [None if a is None else jax.device_put(a, NamedSharding(mesh, P())) for a in arrays]
+
+
+def _expected_load(params, x, tids, cfg):
+    routing = moejax.route(params, x, cfg, tids)
+    ids = np.asarray(routing.indices).reshape(-1)
+    return np.bincount(ids[ids < cfg.num_experts], minlength=cfg.num_experts)
+
+
+def _check_stats(stats, load, mode, n):
+    assert stats.local_pairs.shape == (n,)
+    np.testing.assert_array_equal(stats.expert_load, load)
+    moved = np.asarray(stats.local_pairs) + np.asarray(stats.remote_pairs)
+    assert moved.sum() == load.sum()  # every pair computed exactly once: nothing dropped
+    if mode == "replicated":
+        np.testing.assert_array_equal(stats.local_pairs, load.reshape(n, -1).sum(1))
+        assert not np.any(stats.remote_rows)
+
+
+# -- equality with the single-device forward -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_both_modes_equal_single_device(family, n):
+    cfg = CONFIGS[family]
+    (params, xd, xf, td, tf), (ref_d, ref_f) = _case(cfg)
+    mesh = _mesh(n)
+    fn, _ = _both_modes(cfg, mesh)
+    (yd, sd), (yf, sf) = fn(parallel.shard_params(params, cfg, mesh), *_placed(mesh, xd, xf, td, tf))
+    np.testing.assert_allclose(yd, ref_d, **TOL)
+    np.testing.assert_allclose(yf, ref_f, **TOL)
+    _check_stats(sd, _expected_load(params, xd, td, cfg), "replicated", n)
+    _check_stats(sf, _expected_load(params, xf, tf, cfg), "all_to_all", n)
+
+
+@pytest.mark.parametrize("family", list(TENSOR_CONFIGS))
+def test_expert_and_tensor_axes_2x4(family):
+    cfg = TENSOR_CONFIGS[family]
+    (params, xd, xf, td, tf), (ref_d, ref_f) = _case(cfg, *T_GROUPED)
+    mesh = _tensor_mesh()
+    sharded = parallel.shard_params(params, cfg, mesh, tensor_axis="tensor")
+    assert sharded.experts.gate.sharding.spec == P("expert", None, "tensor")
+    assert sharded.experts.down.sharding.shard_shape(sharded.experts.down.shape) == (
+        cfg.num_experts // 2,
+        cfg.intermediate_size // 4,
+        cfg.hidden_size,
+    )
+    fn, _ = _both_modes(cfg, mesh, "tensor")
+    (yd, _), (yf, _) = fn(sharded, xd, xf, td, tf)
+    np.testing.assert_allclose(yd, ref_d, **TOL)
+    np.testing.assert_allclose(yf, ref_f, **TOL)
+
+
+# -- the classic EP bugs ------------------------------------------------------------------------------------
+
+
+def test_once_terms_added_after_the_reduction_and_buggy_orders_differ():
+    """The shared expert and the zero-expert term added once per device, or the shared gate dropped: each bug
+    built from the same per-device pieces gives an answer the equality check rejects."""
+    cfg = ONCE_CFG
+    n = 4
+    mesh = _mesh(n)
+    (params, xd, _, _, _), (ref, _) = _case(cfg)
+
+    def body(params, x):
+        num_local = params.experts.num_experts
+        routing = moejax.route(params, x, cfg)
+        x_e = expert_input(params, x, cfg)
+        local = parallel.localize(routing, jax.lax.axis_index("expert") * num_local, num_local)
+        partial = parallel.partial_routed_sum(params.experts, x_e, local, cfg, impl="xla", num_pairs=x.size)
+        reduced = jax.lax.psum(partial, "expert")
+        shared = shared_expert_ffn(x_e, params.shared, cfg)
+        zero_term = routing.zero_weight[:, None] * x_e
+        no_zero = dataclasses.replace(routing, zero_weight=None)
+        return {
+            "correct": parallel.add_once(reduced, x_e, routing, params.shared, cfg),
+            "shared_per_device": parallel.add_once(jax.lax.psum(partial + shared, "expert"), x_e, routing, None, cfg),
+            "zero_per_device": parallel.add_once(
+                jax.lax.psum(partial + zero_term, "expert"), x_e, no_zero, params.shared, cfg
+            ),
+            "gate_dropped": parallel.add_once(
+                reduced, x_e, routing, dataclasses.replace(params.shared, gate_kernel=None), cfg
+            ),
+        }
+
+    specs = parallel.param_specs(cfg)
+    run = jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=False)
+    sharded = parallel.shard_params(params, cfg, mesh)
+    variants = jax.jit(run, compiler_options=FAST)(sharded, xd)
+    np.testing.assert_allclose(variants.pop("correct"), ref, **TOL)
+    for bug, y in variants.items():
+        assert float(jnp.max(jnp.abs(y - ref))) > 100 * TOL["atol"], f"{bug} is indistinguishable from correct"
+    (yd, _), _ = _both_modes(cfg, mesh)[0](sharded, xd, xd, None, None)
+    np.testing.assert_allclose(yd, ref, **TOL)
+
+
+# -- load, transfers, recompiles --------------------------------------------------------------------------
+
+
+def test_uneven_load_all_tokens_to_one_device_nothing_dropped():
+    cfg = CONFIGS["deepseek_v3"]  # E=32 on 8 devices: device 0 owns experts 0..3, all of group 0
+    n, num_local = 8, 4
+    (params, xd, xf, td, tf), _ = _case(cfg)
+    bias = params.router.correction_bias.at[:num_local].add(10.0)  # selection only: every token picks 0..3
+    params = dataclasses.replace(params, router=dataclasses.replace(params.router, correction_bias=bias))
+    ref_d, ref_f = _reference(params, xd, xf, td, tf, cfg)
+    mesh = _mesh(n)
+    fn, _ = _both_modes(cfg, mesh)
+    (yd, sd), (yf, sf) = fn(parallel.shard_params(params, cfg, mesh), *_placed(mesh, xd, xf, td, tf))
+    np.testing.assert_allclose(yd, ref_d, **TOL)
+    np.testing.assert_allclose(yf, ref_f, **TOL)
+    K = cfg.top_k
+    np.testing.assert_array_equal(sf.expert_load, [T_PREFILL] * num_local + [0] * (cfg.num_experts - num_local))
+    tokens_per_device = np.bincount(np.arange(T_PREFILL), minlength=n)  # 7 tokens padded to 8: one each
+    np.testing.assert_array_equal(sf.local_pairs, [K * tokens_per_device[0]] + [0] * (n - 1))
+    np.testing.assert_array_equal(sf.remote_pairs, [0, *(K * tokens_per_device[1:])])
+    np.testing.assert_array_equal(sf.remote_rows, [0, *tokens_per_device[1:]])  # one row per token, to device 0
+    np.testing.assert_array_equal(sd.local_pairs, [K * T_DECODE] + [0] * (n - 1))
+
+
+def test_jitted_ep_forward_has_no_host_transfers_and_does_not_recompile_across_routings():
+    cfg = CONFIGS["qwen3_next"]
+    n = 8
+    mesh = _mesh(n)
+    (params, xd, xf, td, tf), _ = _case(cfg)
+    fn, traces = _both_modes(cfg, mesh)  # the program of test_both_modes_equal_single_device[qwen3_next-8]
+    sharded = parallel.shard_params(params, cfg, mesh)
+    fn(sharded, *_placed(mesh, xd, xf, td, tf))  # compiled here unless that test ran first
+    compiled_traces = len(traces)
+    cache_size = fn._cache_size() if hasattr(fn, "_cache_size") else None
+    loads = []
+    rng = np.random.default_rng(100)
+    for _ in range(3):
+        xd2, xf2 = _placed(mesh, rng.standard_normal(xd.shape, np.float32), rng.standard_normal(xf.shape, np.float32))
+        with jax.transfer_guard("disallow"):
+            (yd, sd), (yf, _) = fn(sharded, xd2, xf2, td, tf)
+            jax.block_until_ready((yd, yf))
+        loads.append(np.asarray(sd.expert_load))
+    assert len(traces) == compiled_traces
+    if cache_size is not None:
+        assert fn._cache_size() == cache_size
+    assert not all(np.array_equal(loads[0], load) for load in loads[1:])  # the routing did change
+
+
+# -- validation ------------------------------------------------------------------------------------------
+
+
+def test_validation_errors():
+    cfg = CONFIGS["qwen3_next"]  # E=16
+    (params, xd, *_), _ = _case(cfg)
+    mesh3 = _mesh(3)
+    with pytest.raises(ValueError, match=r"E=16.*size 3"):
+        parallel.shard_params(params, cfg, mesh3)
+    with pytest.raises(ValueError, match=r"E=16.*size 3"):
+        parallel.moe_forward_ep(params, xd, cfg, mesh=mesh3)
+    with pytest.raises(ValueError, match="mode='ring'"):
+        parallel.moe_forward_ep(params, xd, cfg, mesh=_mesh(2), mode="ring")
+    with pytest.raises(ValueError, match="expert_axis='experts'"):
+        parallel.moe_forward_ep(params, xd, cfg, mesh=_mesh(2), expert_axis="experts")
+    odd = cfg.replace(intermediate_size=10)
+    with pytest.raises(ValueError, match=r"intermediate_size=10.*size 4"):
+        parallel.shard_params(numpy_params(odd, 0), odd, _tensor_mesh(), tensor_axis="tensor")
+    with pytest.raises(ValueError, match="ep_mode"):
+        moejax.MoE(cfg, rngs=nnx.Rngs(0), mesh=_mesh(2), ep_mode="ring")
+    data_mesh = jax.make_mesh((8,), ("data",))
+    with pytest.raises(ValueError, match="tensor_axis='data' needs expert_axis"):
+        moejax.MoE(cfg, rngs=nnx.Rngs(0), mesh=data_mesh, tensor_axis="data")
+
+
+# -- the flax module under a mesh --------------------------------------------------------------------------
+
+
+def test_module_parameters_created_sharded_and_call_dispatches_to_ep():
+    cfg = TENSOR_CONFIGS["qwen3_next"]
+    mesh = _tensor_mesh()
+    layer = moejax.MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh, tensor_axis="tensor", ep_mode="all_to_all")
+    expected = flatten(parallel.param_specs(cfg, tensor_axis="tensor"))
+    with nnx.logical_axis_rules(parallel.logical_axis_rules("expert", "tensor")):
+        metadata = nnx.to_flat_state(nnx.get_partition_spec(nnx.state(layer)))
+    metadata_specs = {".".join(map(str, path)): v.get_value() for path, v in metadata}
+    for name, value in flatten(layer.params).items():
+        assert value.sharding.spec == expected[name], name
+        if not parallel.runs_replicated(name):  # the placement follows the Params' sharding metadata
+            assert metadata_specs[name] == expected[name], name
+    assert layer.experts.gate[...].addressable_shards[0].data.shape == (8, cfg.hidden_size, 4)
+
+    x = jax.random.normal(jax.random.key(1), (2, 5, cfg.hidden_size))  # leading dims; T=10, 12 rows after padding
+    forward = nnx.jit(lambda m, x: m(x))
+    ref = jax.jit(moejax.moe_forward, static_argnums=2, compiler_options=FAST)(jax.device_get(layer.params), x, cfg)
+    np.testing.assert_allclose(forward(layer, x), ref, **TOL)
+
+    params = numpy_params(cfg, 3)  # loading placed arrays keeps the layout (and the same program)
+    layer.load_params(params)
+    assert layer.experts.down[...].sharding.spec == P("expert", "tensor", None)
+    ref = jax.jit(moejax.moe_forward, static_argnums=2, compiler_options=FAST)(params, x, cfg)
+    np.testing.assert_allclose(forward(layer, x), ref, **TOL)
+
+
+def test_communication_bytes_from_the_shapes():
+    cfg = CONFIGS["qwen3_next"]  # H=32, K=4
+    replicated = parallel.communication_bytes(cfg, 8, mode="replicated", expert_size=8)
+    assert replicated == {"dispatch": 0, "combine": 0, "reduce": 2 * 7 * 8 * 32 * 4 // 8, "total": 1792}
+    a2a = parallel.communication_bytes(cfg, 8, mode="all_to_all", expert_size=8, dtype=jnp.bfloat16)
+    # 1 token per device; 7 rows out: a bf16 row + 4 ids + 4 weights, then a float32 row back
+    assert a2a == {"dispatch": 7 * (32 * 2 + 32), "combine": 7 * 32 * 4, "reduce": 0, "total": 672 + 896}
