@@ -113,7 +113,8 @@ class MoEConfig:
       hash_routing, vocab_size: expert ids come from a `[vocab_size, K]` table indexed by token id
         (DeepSeek-V4 hash layers); the weights are still the router's scores of those experts.
       weights_on_input: the routing weight scales the expert *input* instead of its output (Llama-4).
-      router_dtype: dtype of the logits matmul ("float32" or the input's dtype). Scores are float32.
+      router_dtype: dtype the logits are rounded to ("float32" or the input's dtype; accumulation is float32).
+      score_dtype: dtype the scores are rounded to before selection (DeepSeek-V4 scores in the model dtype).
       weights_dtype: routing weights are rounded to this dtype before use ("float32" or the input's dtype,
         as the Qwen family, DeepSeek-V4, gpt-oss and Llama-4 do in a bf16 model).
     Experts:
@@ -147,6 +148,7 @@ class MoEConfig:
     vocab_size: int | None = None
     weights_on_input: bool = False
     router_dtype: DtypePolicy = "float32"
+    score_dtype: DtypePolicy = "float32"
     weights_dtype: DtypePolicy = "float32"
     # experts
     activation: Activation = Activation.SILU
@@ -201,7 +203,7 @@ class MoEConfig:
             fail("routed_scaling_factor", "must be finite")
         if self.rms_norm_eps <= 0:
             fail("rms_norm_eps", "must be > 0")
-        for field in ("router_dtype", "weights_dtype"):
+        for field in ("router_dtype", "score_dtype", "weights_dtype"):
             if getattr(self, field) not in ("float32", "input"):
                 fail(field, "must be 'float32' or 'input'")
         if self.score_order is ScoreOrder.AFTER_TOPK:
@@ -283,7 +285,7 @@ _MINIMAX = {
 _PRESETS: dict[str, dict[str, Any]] = {
     "mixtral": {"num_experts": 8, "top_k": 2, "normalize": True, "router_dtype": "input"},
     "qwen2_moe": {**_QWEN, **_SHARED_GATED},
-    "qwen3_moe": {**_QWEN, "normalize": True},
+    "qwen3_moe": _QWEN,  # HF default norm_topk_prob=False; the released 30B/235B configs set it
     "qwen3_next": {**_QWEN, "normalize": True, **_SHARED_GATED},
     "qwen3_5_moe": {**_QWEN, "normalize": True, **_SHARED_GATED},
     "deepseek_v3": {
@@ -294,7 +296,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "topk_group": 2,
         "routed_scaling_factor": 2.5,
     },
-    "glm4_moe": {**_DEEPSEEK, "num_experts": 16, "top_k": 4, "routed_scaling_factor": 2.5},
+    "glm4_moe": {**_DEEPSEEK, "num_experts": 16, "top_k": 4},  # HF default 1.0; released configs use 2.5
     "glm_moe_dsa": {**_DEEPSEEK, "num_experts": 16, "top_k": 4, "routed_scaling_factor": 2.5},
     "minimax_m2": _MINIMAX,
     "step3p7": {
@@ -328,6 +330,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "shared_intermediate_size": 32,
         "shared_swiglu_limit": 10.0,
         "router_dtype": "input",
+        "score_dtype": "input",
         "weights_dtype": "input",
     },
     "gemma4": {

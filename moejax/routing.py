@@ -47,25 +47,42 @@ def rms_normalize(x: Array, eps: float) -> Array:
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
+def round_to(values: Array, dtype: jnp.dtype) -> Array:
+    """Round float32 `values` to the precision of `dtype`, keeping float32.
+
+    `lax.reduce_precision` rather than a pair of casts: XLA may drop a float32->bf16->float32 round trip under
+    jit (excess precision), which would make jitted routing differ from eager and from the model.
+    """
+    info = jnp.finfo(dtype)
+    if info.bits >= 32:
+        return values
+    return jax.lax.reduce_precision(values, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+def policy_dtype(policy: str, x: Array) -> jnp.dtype:
+    return jnp.dtype(jnp.float32) if policy == "float32" else x.dtype
+
+
 def router_logits(router: RouterParams, x: Array, cfg: MoEConfig) -> Array:
-    """Router logits `[T, N]` as float32 (computed in float32 or in x's dtype per `cfg.router_dtype`)."""
+    """Router logits `[T, N]` float32: accumulated in float32, bias added, rounded once to `cfg.router_dtype`
+    (a bf16 Linear in the model dtype rounds its output once, after the bias)."""
     if cfg.router_prenorm:
         # Gemma-4: weightless RMSNorm, learned scale, and 1/sqrt(H) (a python float), in the input dtype.
         x = rms_normalize(x, cfg.rms_norm_eps) * router.scale.astype(x.dtype) * cfg.hidden_size**-0.5
-    dtype = jnp.float32 if cfg.router_dtype == "float32" else x.dtype
+    dtype = policy_dtype(cfg.router_dtype, x)
     logits = jnp.dot(x.astype(dtype), router.kernel.astype(dtype), preferred_element_type=jnp.float32)
-    logits = logits.astype(dtype)  # the rounding a bf16 router does
     if router.bias is not None:
-        logits = logits + router.bias.astype(dtype)
-    return logits.astype(jnp.float32)
+        logits = logits + router.bias.astype(dtype).astype(jnp.float32)
+    return round_to(logits, dtype)
 
 
-def scores_from_logits(logits: Array, scoring: Scoring) -> Array:
+def scores_from_logits(logits: Array, scoring: Scoring, dtype: jnp.dtype = jnp.float32) -> Array:
+    """Scores `[T, N]` float32, rounded to `dtype` after each op as a model running in `dtype` does."""
     if scoring is Scoring.SOFTMAX:
-        return jax.nn.softmax(logits, axis=-1)
+        return round_to(jax.nn.softmax(logits, axis=-1), dtype)
     if scoring is Scoring.SIGMOID:
-        return jax.nn.sigmoid(logits)
-    return jnp.sqrt(jax.nn.softplus(logits))
+        return round_to(jax.nn.sigmoid(logits), dtype)
+    return round_to(jnp.sqrt(round_to(jax.nn.softplus(logits), dtype)), dtype)
 
 
 def limit_to_groups(selection: Array, n_group: int, topk_group: int) -> Array:
@@ -102,14 +119,11 @@ def route(params, x: Array, cfg: MoEConfig, token_ids: Array | None = None) -> R
     K = cfg.top_k
     if cfg.score_order is ScoreOrder.AFTER_TOPK:
         selected_logits, indices = jax.lax.top_k(logits, K)
-        if cfg.scoring is Scoring.SOFTMAX:
-            # gpt-oss takes the softmax over the k selected logits in the logits dtype.
-            dtype = jnp.float32 if cfg.router_dtype == "float32" else x.dtype
-            weights = jax.nn.softmax(selected_logits.astype(dtype), axis=-1)
-        else:
-            weights = jax.nn.sigmoid(selected_logits)
+        # gpt-oss: softmax over the k selected logits; Llama-4: sigmoid of each. Float32, rounded below.
+        score = jax.nn.softmax if cfg.scoring is Scoring.SOFTMAX else jax.nn.sigmoid
+        weights = score(selected_logits)
     else:
-        scores = scores_from_logits(logits, cfg.scoring)  # [T, N]
+        scores = scores_from_logits(logits, cfg.scoring, policy_dtype(cfg.score_dtype, x))  # [T, N]
         if cfg.hash_routing:
             if token_ids is None:
                 raise ValueError("hash routing (cfg.hash_routing=True) needs token_ids, got None")
@@ -128,9 +142,7 @@ def route(params, x: Array, cfg: MoEConfig, token_ids: Array | None = None) -> R
         weights = weights * cfg.routed_scaling_factor
     if cfg.per_expert_scale:
         weights = weights * router.per_expert_scale.astype(jnp.float32)[indices]
-    if cfg.weights_dtype == "input":
-        weights = weights.astype(x.dtype)
-    weights = weights.astype(jnp.float32)
+    weights = round_to(weights, policy_dtype(cfg.weights_dtype, x))
     indices = indices.astype(jnp.int32)
     zero_weight = None
     if cfg.num_zero_experts:
