@@ -25,7 +25,7 @@ import pallas_kernels
 from moejax.config import MoEConfig, ScalingTarget
 from moejax.experts import reference_routed, shared_expert_ffn
 from moejax.kernel_plans import pallas_decode, pallas_grouped
-from moejax.params import ExpertWeights, MoEParams, check_params
+from moejax.params import ExpertWeights, MoEParams, SharedParams, check_params
 from moejax.plans import decode_fits, decode_plan, grouped_plan
 from moejax.routing import Routing, rms_normalize, route, router_logits
 
@@ -141,19 +141,38 @@ def expert_input(params: MoEParams, x: Array, cfg: MoEConfig) -> Array:
 def combine(params: MoEParams, x: Array, routing: Routing, cfg: MoEConfig, routed_impl: RoutedImpl) -> Array:
     """Steps 2-5 of `moe_forward` on flat `x [T, H]`; float32 `[T, H]`."""
     x_e = expert_input(params, x, cfg)
-    experts = params.experts
-    if routed_impl is reference_routed:
-        experts = jax.tree.map(lambda w: w.astype(jnp.float32), experts)
-    out = routed_impl(experts, x_e, routing, cfg)
+    reference = routed_impl is reference_routed
+    experts = jax.tree.map(lambda w: w.astype(jnp.float32), params.experts) if reference else params.experts
+    routed = routed_impl(experts, x_e, routing, cfg)
+    return add_once_terms(routed, x_e, routing, params.shared, cfg, reference=reference)
+
+
+def add_once_terms(
+    routed: Array,
+    x_e: Array,
+    routing: Routing,
+    shared: SharedParams | None,
+    cfg: MoEConfig,
+    *,
+    reference: bool = False,
+    reduce_shared: Callable[[Array], Array] | None = None,
+) -> Array:
+    """Steps 3-5 of `moe_forward`: the terms added exactly once to the (fully reduced) routed sum `[T, H]`.
+
+    Output scaling (Step-3.7), `+ zero_weight · x_e` (LongCat), `+ shared(x_e)` with its sigmoid gate.
+    `reduce_shared` reduces the shared expert's partial sums when its intermediate axis is split (expert
+    parallelism passes a psum; the gate multiplies each partial, exact because the reduction is linear).
+    """
+    out = routed
     if cfg.scaling_target is ScalingTarget.OUTPUT and cfg.routed_scaling_factor != 1.0:
         out = out * cfg.routed_scaling_factor
     if routing.zero_weight is not None:
         out = out + routing.zero_weight[:, None] * x_e.astype(jnp.float32)
-    if params.shared is not None:
-        shared = params.shared
-        if routed_impl is reference_routed:
+    if shared is not None:
+        if reference:
             shared = jax.tree.map(lambda w: w.astype(jnp.float32), shared)
-        out = out + shared_expert_ffn(x_e, shared, cfg)
+        y = shared_expert_ffn(x_e, shared, cfg)  # [T, H]
+        out = out + (y if reduce_shared is None else reduce_shared(y))
     return out
 
 

@@ -47,9 +47,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moejax.config import MoEConfig, ScalingTarget, SharedExpert
-from moejax.experts import shared_expert_ffn
-from moejax.forward import check_inputs, expert_input, resolve_impl, routed_implementation
+from moejax.config import MoEConfig, SharedExpert
+from moejax.forward import add_once_terms, check_inputs, expert_input, resolve_impl, routed_implementation
 from moejax.params import LOGICAL_AXES, ExpertWeights, MoEParams, SharedParams, expected_shapes, unflatten
 from moejax.plans import grouped_block_rows, grouped_plan
 from moejax.routing import Routing, route
@@ -267,19 +266,8 @@ def add_once(
     tensor axis the shared expert's partial sums (over its Is slice) are reduced over it. The gate multiplies
     each partial, which is exact because the reduction is linear.
     """
-    out = routed
-    if cfg.scaling_target is ScalingTarget.OUTPUT and cfg.routed_scaling_factor != 1.0:
-        out = out * cfg.routed_scaling_factor
-    if routing.zero_weight is not None:
-        out = out + routing.zero_weight[:, None] * x_e.astype(jnp.float32)
-    if shared is not None:
-        if reference:
-            shared = jax.tree.map(lambda w: w.astype(jnp.float32), shared)
-        y = shared_expert_ffn(x_e, shared, cfg)  # [T, H]
-        if tensor_axis is not None:
-            y = jax.lax.psum(y, tensor_axis)
-        out = out + y
-    return out
+    reduce = None if tensor_axis is None else functools.partial(jax.lax.psum, axis_name=tensor_axis)
+    return add_once_terms(routed, x_e, routing, shared, cfg, reference=reference, reduce_shared=reduce)
 
 
 def _expert_load(routing: Routing, cfg: MoEConfig, valid: Array | None = None) -> Array:
