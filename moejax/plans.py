@@ -146,20 +146,22 @@ def grouped_plan(
     pair_scale = in_scale.reshape(-1)[order]  # [M]
 
     def block_of(rows_in_block: int):
-        def run(b: Array, sorted_out: Array) -> Array:
+        def run(b: Array) -> Array:
             rows = jnp.minimum(row_start[b] + jnp.arange(rows_in_block), M - 1)  # clamped padding rows
             xb = x[pair_token[rows]]  # [rows, H]
             if cfg.weights_on_input:
                 xb = xb * pair_scale[rows][:, None]
             yb = expert_ffn(xb, experts.expert(block_expert[b]), cfg)  # [rows, H]
-            return jax.lax.dynamic_update_slice_in_dim(sorted_out, yb, row_start[b], 0)
+            return jnp.pad(yb, ((0, B - rows_in_block), (0, 0)))  # [B, H]
 
         return run
 
     branches = [block_of(r) for r in block_classes(B)]
 
     def one_block(b: Array, sorted_out: Array) -> Array:
-        return jax.lax.switch(block_class[b], branches, b, sorted_out)
+        # The update stays outside the switch: a buffer updated inside a branch is copied whole per block.
+        yb = jax.lax.switch(block_class[b], branches, b)
+        return jax.lax.dynamic_update_slice_in_dim(sorted_out, yb, row_start[b], 0)
 
     sorted_out = jnp.zeros((M + B, H), jnp.float32)  # B spare rows: a last block never clamps its start
     sorted_out = jax.lax.fori_loop(0, jnp.sum(blocks), one_block, sorted_out)
