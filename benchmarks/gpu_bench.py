@@ -18,7 +18,6 @@ ragged_dot.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import statistics
@@ -36,6 +35,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 import pallas_kernels  # noqa: E402
 from moejax import kernel_plans, plans  # noqa: E402
+from moejax.bench import MODEL_LAYERS, Layer  # noqa: E402
 from moejax.config import MoEConfig  # noqa: E402
 from moejax.experts import gated_activation, slot_scales  # noqa: E402
 from moejax.params import init_params  # noqa: E402
@@ -45,43 +45,11 @@ Array = jax.Array
 REL_TOL = 2e-2  # bf16 weights: h is rounded to bf16 before the down projection, an ulp may differ
 
 
-@dataclasses.dataclass(frozen=True)
-class Layer:
-    name: str
-    cfg: MoEConfig
-
-
 def layers(smoke: bool) -> list[Layer]:
     if smoke:
-        return [
-            Layer(
-                "tiny-qwen3",
-                MoEConfig.preset("qwen3_moe", hidden_size=72, num_experts=8, top_k=2, intermediate_size=40),
-            )
-        ]
-    return [
-        Layer(
-            "qwen3-30b-a3b",
-            MoEConfig.preset("qwen3_moe", hidden_size=2048, num_experts=128, top_k=8, intermediate_size=768),
-        ),
-        Layer(
-            "mixtral-8x7b",
-            MoEConfig.preset("mixtral", hidden_size=4096, num_experts=8, top_k=2, intermediate_size=14336),
-        ),
-        Layer(
-            "deepseek-v3",
-            MoEConfig.preset(
-                "deepseek_v3",
-                hidden_size=7168,
-                num_experts=256,
-                top_k=8,
-                intermediate_size=2048,
-                n_group=8,
-                topk_group=4,
-                shared_intermediate_size=2048,
-            ),
-        ),
-    ]
+        tiny = MoEConfig.preset("qwen3_moe", hidden_size=72, num_experts=8, top_k=2, intermediate_size=40)
+        return [Layer("tiny-qwen3", tiny)]
+    return [Layer(name, cfg) for name, cfg in MODEL_LAYERS.items()]
 
 
 # -- implementations of the routed experts (same contract: float32 [T, H]) ----------------------------------------

@@ -34,35 +34,30 @@ class Layer:
     cfg: MoEConfig
 
 
+# Real MoE layer shapes, the one table the benchmarks and the CUDA lowering tests size themselves from.
+MODEL_LAYERS: dict[str, MoEConfig] = {
+    "qwen3-30b-a3b": MoEConfig.preset("qwen3_moe", hidden_size=2048, num_experts=128, top_k=8, intermediate_size=768),
+    "mixtral-8x7b": MoEConfig.preset("mixtral", hidden_size=4096, num_experts=8, top_k=2, intermediate_size=14336),
+    "deepseek-v3": MoEConfig.preset(
+        "deepseek_v3",
+        hidden_size=7168,
+        num_experts=256,
+        top_k=8,
+        intermediate_size=2048,
+        n_group=8,
+        topk_group=4,
+        shared_intermediate_size=2048,
+    ),
+}
+
+
 def layers(quick: bool) -> list[Layer]:
     if quick:
-        return [
-            Layer(
-                "tiny-qwen3",
-                MoEConfig.preset("qwen3_moe", hidden_size=128, num_experts=16, top_k=4, intermediate_size=64),
-            )
-        ]
-    return [
-        Layer(
-            "qwen3-30b-a3b",
-            MoEConfig.preset("qwen3_moe", hidden_size=2048, num_experts=128, top_k=8, intermediate_size=768),
-        ),
-        # DeepSeek-V3 layer shapes (H, I, K, groups of 4 of 8) with E scaled from 256 to 32 to fit 24 GiB.
-        Layer(
-            "deepseek-v3/E32",
-            MoEConfig.preset(
-                "deepseek_v3",
-                hidden_size=7168,
-                num_experts=32,
-                top_k=8,
-                intermediate_size=2048,
-                n_group=8,
-                topk_group=4,
-                shared_expert="none",
-                shared_intermediate_size=0,
-            ),
-        ),
-    ]
+        tiny = MoEConfig.preset("qwen3_moe", hidden_size=128, num_experts=16, top_k=4, intermediate_size=64)
+        return [Layer("tiny-qwen3", tiny)]
+    # DeepSeek-V3 with E scaled from 256 to 32 (groups of 4, 4 of 8 kept) and the routed experts alone, to fit 24 GiB.
+    deepseek_e32 = MODEL_LAYERS["deepseek-v3"].replace(num_experts=32, shared_expert="none", shared_intermediate_size=0)
+    return [Layer("qwen3-30b-a3b", MODEL_LAYERS["qwen3-30b-a3b"]), Layer("deepseek-v3/E32", deepseek_e32)]
 
 
 def _time(fn, *args, repeats: int) -> float:

@@ -10,20 +10,12 @@ import jax.numpy as jnp
 import pytest
 
 import moejax
+from moejax.bench import MODEL_LAYERS
 from moejax.forward import resolve_impl
 from moejax.kernel_plans import compiled_kernels
 
-QWEN3_30B_A3B = moejax.MoEConfig.preset("qwen3_moe", hidden_size=2048, num_experts=128, top_k=8, intermediate_size=768)
-DEEPSEEK_V3 = moejax.MoEConfig.preset(
-    "deepseek_v3",
-    hidden_size=7168,
-    num_experts=256,
-    top_k=8,
-    intermediate_size=2048,
-    n_group=8,
-    topk_group=4,
-    shared_intermediate_size=2048,
-)
+QWEN3_30B_A3B = MODEL_LAYERS["qwen3-30b-a3b"]
+DEEPSEEK_V3 = MODEL_LAYERS["deepseek-v3"]
 
 
 def lower_for_cuda(cfg, T, dtype):
