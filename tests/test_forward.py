@@ -1,6 +1,7 @@
 """moe_forward as a jit-compiled function: jit equals eager, no host transfers, batch invariance, bad input,
 the documented in-jit behaviour of bad values and the checked variant that raises."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,5 +153,4 @@ def test_nnx_load_params_roundtrip():
     layer = moejax.MoE(cfg, rngs=nnx.Rngs(0))
     params = moejax.init_params(cfg, jax.random.key(5))
     layer.load_params(params)
-    chex_equal = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), layer.params, params)
-    assert all(jax.tree.leaves(chex_equal))
+    chex.assert_trees_all_equal(layer.params, params)
