@@ -37,9 +37,10 @@ import pallas_kernels  # noqa: E402
 from moejax import kernel_plans, plans  # noqa: E402
 from moejax.bench import MODEL_LAYERS, Layer  # noqa: E402
 from moejax.config import MoEConfig  # noqa: E402
-from moejax.experts import gated_activation, slot_scales  # noqa: E402
+from moejax.experts import Slots, combine_slots, expert_activation, slots_from_routing  # noqa: E402
 from moejax.params import init_params  # noqa: E402
 from moejax.routing import route  # noqa: E402
+from pallas_kernels import GatedActivation  # noqa: E402
 
 Array = jax.Array
 REL_TOL = 2e-2  # bf16 weights: h is rounded to bf16 before the down projection, an ulp may differ
@@ -53,24 +54,23 @@ def layers(smoke: bool) -> list[Layer]:
 
 
 # -- implementations of the routed experts (same contract: float32 [T, H]) ----------------------------------------
-def ragged_dot_routed(experts, x, routing, cfg: MoEConfig) -> Array:
+def ragged_dot_routed(experts, x, slots: Slots, act: GatedActivation) -> Array:
     """Sort pairs by expert, `jax.lax.ragged_dot` for gate, up and down, unsort, weight (the baseline)."""
-    T, K = routing.indices.shape
-    E = cfg.num_experts
+    T, K = slots.indices.shape
+    E = experts.gate.shape[0]
     dtype = experts.gate.dtype
-    in_scale, out_weight = slot_scales(routing, cfg)
-    ids = jnp.minimum(routing.indices.reshape(-1), E)
+    ids = jnp.minimum(slots.indices.reshape(-1), E)
     order = jnp.argsort(ids, stable=True)
     group_sizes = jnp.bincount(ids, length=E + 1)[:E].astype(jnp.int32)
     xs = x[order // K].astype(dtype)
-    if cfg.weights_on_input:
-        xs = (xs.astype(jnp.float32) * in_scale.reshape(-1)[order][:, None]).astype(dtype)
+    if slots.in_scale is not None:
+        xs = (xs.astype(jnp.float32) * slots.in_scale.reshape(-1)[order][:, None]).astype(dtype)
     g = jax.lax.ragged_dot(xs, experts.gate, group_sizes, preferred_element_type=jnp.float32)
     u = jax.lax.ragged_dot(xs, experts.up, group_sizes, preferred_element_type=jnp.float32)
-    h = gated_activation(g, u, cfg, cfg.swiglu_limit).astype(dtype)
+    h = act(g, u).astype(dtype)
     y = jax.lax.ragged_dot(h, experts.down, group_sizes, preferred_element_type=jnp.float32)
     per_pair = jnp.zeros_like(y).at[order].set(y).reshape(T, K, -1)
-    return plans.combine_slots(per_pair, out_weight)
+    return combine_slots(per_pair, slots.out_weight)
 
 
 def implementations(T: int, cfg: MoEConfig) -> dict:
@@ -101,10 +101,11 @@ def timed(fn, *args, reps: int, batches: int = 3) -> float:
 def repeated(fn, cfg: MoEConfig, reps: int):
     """`reps` dependent calls of the routed implementation `fn` in one jitted program: each call's input is the
     previous input plus 0·output, so nothing is hoisted and Python dispatch is paid once, not per call."""
+    act = expert_activation(cfg)
 
-    def run(experts, x, routing):
+    def run(experts, x, slots):
         def body(_, x):
-            y = fn(experts, x, routing, cfg)
+            y = fn(experts, x, slots, act)
             return x + (y * 0).astype(x.dtype)  # float x·0 is not folded (NaN·0 is NaN)
 
         return jax.lax.fori_loop(0, reps, body, x)
@@ -130,34 +131,35 @@ def ceilings(smoke: bool) -> dict:
 
 
 def make_layer(layer: Layer, key: Array):
-    return jax.jit(lambda k: init_params(layer.cfg, k, dtype=jnp.bfloat16))(key)
+    # The stacked layout: what the kernels, the XLA plans and ragged_dot read.
+    return jax.jit(lambda k: init_params(layer.cfg, k, dtype=jnp.bfloat16, layout="stacked"))(key)
 
 
-def routed_inputs(params, cfg: MoEConfig, T: int, seed: int):
+def routed_inputs(params, cfg: MoEConfig, T: int, seed: int) -> tuple[Array, Slots]:
     x = jax.random.normal(jax.random.key(seed), (T, cfg.hidden_size), jnp.bfloat16)
-    routing = jax.jit(lambda p, x: route(p, x, cfg))(params, x)
-    return x, routing
+    slots = jax.jit(lambda p, x: slots_from_routing(route(p, x, cfg), cfg))(params, x)
+    return x, slots
 
 
-def kernel_args(params, x, routing, cfg):
-    in_scale, out_weight = slot_scales(routing, cfg)
+def kernel_args(params, x, slots: Slots):
     e = params.experts
-    return (x, e.gate, e.up, e.down, routing.indices, out_weight, in_scale if cfg.weights_on_input else None)
+    return (x, e.gate, e.up, e.down, slots.indices, slots.out_weight, slots.in_scale)
 
 
 def check_kernels(params, cfg: MoEConfig, smoke: bool) -> list[dict]:
-    """Each kernel against its reference (and the XLA plan) on the layer's real shapes, bf16."""
-    interpret = kernel_plans.interpret_mode()
+    """Each kernel against its reference (and the XLA plan) on the layer's real shapes, bf16. The kernels run
+    compiled on a GPU and interpreted on a CPU (`interpret=None`: the platform decides)."""
+    act = expert_activation(cfg)
     rows = []
     for kernel, reference, T in (
         (pallas_kernels.moe_decode, pallas_kernels.moe_decode_reference, 8 if not smoke else 3),
         (pallas_kernels.moe_grouped, pallas_kernels.moe_grouped_reference, 512 if not smoke else 40),
     ):
-        x, routing = routed_inputs(params, cfg, T, seed=1)
-        args = kernel_args(params, x, routing, cfg)
-        got = jax.jit(lambda *a, k=kernel: k(*a, interpret=interpret))(*args)
-        want = jax.jit(reference)(*args)
-        xla = jax.jit(lambda e, x, r, T=T: implementations(T, cfg)["xla"](e, x, r, cfg))(params.experts, x, routing)
+        x, slots = routed_inputs(params, cfg, T, seed=1)
+        args = kernel_args(params, x, slots)
+        got = jax.jit(lambda *a, k=kernel: k(*a, activation=act))(*args)
+        want = jax.jit(lambda *a, r=reference: r(*a, activation=act))(*args)
+        xla = jax.jit(lambda e, x, s, T=T: implementations(T, cfg)["xla"](e, x, s, act))(params.experts, x, slots)
         scale = float(jnp.max(jnp.abs(want)))
         err = float(jnp.max(jnp.abs(got - want)))
         rows.append(
@@ -180,8 +182,8 @@ def bench_layer(layer: Layer, params, decode_T, prefill_T, smoke: bool) -> list[
     expert_bytes = 3 * H * I * 2  # bf16
     rows = []
     for T in (*decode_T, *prefill_T):
-        x, routing = routed_inputs(params, cfg, T, seed=T)
-        ids = np.asarray(routing.indices)
+        x, slots = routed_inputs(params, cfg, T, seed=T)
+        ids = np.asarray(slots.indices)
         union = len(np.unique(ids[ids < cfg.num_experts]))
         flops = 2 * 3 * H * I * T * K
         for name, fn in implementations(T, cfg).items():
@@ -190,7 +192,7 @@ def bench_layer(layer: Layer, params, decode_T, prefill_T, smoke: bool) -> list[
             reps = 1 if smoke else (20 if T <= 64 else 5)
             try:
                 run = repeated(fn, cfg, reps)
-                t = timed(run, params.experts, x, routing, reps=1, batches=1 if smoke else 3) / reps
+                t = timed(run, params.experts, x, slots, reps=1, batches=1 if smoke else 3) / reps
             except Exception as err:  # report a failing implementation and go on with the table
                 rows.append({"layer": layer.name, "T": T, "impl": name, "error": f"{type(err).__name__}: {err}"[:500]})
                 continue

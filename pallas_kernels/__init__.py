@@ -4,8 +4,11 @@
 * `moe_grouped` (grouped.py): grouped prefill over pairs sorted by expert in block-aligned 64-row tiles.
 
 Both run on Mosaic GPU (Hopper) through the tile kernels of expert_tiles.py, take plain arrays and static
-parameters, and never import moejax. `validated.json` lists the kernels that `benchmarks/gpu_bench.py` checked
-against their references on a real GPU; `is_validated` reads it (moejax's `impl="auto"` picks only those).
+parameters (the gated activation as one `GatedActivation`), and never import moejax. With `interpret=None` (the
+default) a kernel is compiled where the program is lowered for CUDA and interpreted where it is lowered for CPU
+(platform.py), so a CPU-only host can both test the kernels and lower or compile them for a GPU.
+`validated.json` lists the kernels that `benchmarks/gpu_bench.py` checked against their references on a real
+GPU; `is_validated` reads it (moejax's `impl="auto"` picks only those).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import functools
 import json
 from pathlib import Path
 
+from pallas_kernels.activations import GatedActivation
 from pallas_kernels.decode import DecodeBlockSizes, moe_decode, moe_decode_reference
 from pallas_kernels.expert_tiles import TileBlockSizes
 from pallas_kernels.grouped import GroupedBlockSizes, moe_grouped, moe_grouped_reference
@@ -46,6 +50,7 @@ __all__ = [
     "KERNELS",
     "VALIDATED_PATH",
     "DecodeBlockSizes",
+    "GatedActivation",
     "GroupedBlockSizes",
     "TileBlockSizes",
     "is_validated",

@@ -31,10 +31,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.activations import GatedActivation
 from pallas_kernels.expert_tiles import (
     TILE_ROWS,
     TileBlockSizes,
-    check_activation,
     check_moe_inputs,
     combine_slots,
     dense_reference,
@@ -42,8 +42,10 @@ from pallas_kernels.expert_tiles import (
     gate_up_tiles,
     pad_biases,
     pad_experts,
+    require_activation,
     round_up,
 )
+from pallas_kernels.platform import interpret_by_platform
 
 Array = jax.Array
 
@@ -94,6 +96,7 @@ def union_of_experts(indices: Array, num_experts: int) -> tuple[Array, Array, Ar
     return union_ids, jnp.sum(is_first, dtype=jnp.int32), slot_position.reshape(T, K)
 
 
+@interpret_by_platform
 def moe_decode(
     x: Array,
     gate: Array,
@@ -103,15 +106,12 @@ def moe_decode(
     weights: Array,
     in_scale: Array | None = None,
     *,
-    activation: str = "silu",
-    limit: float | None = None,
-    clamp_order: str = "before_activation",
-    alpha: float = 1.702,
+    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
     gate_bias: Array | None = None,
     up_bias: Array | None = None,
     down_bias: Array | None = None,
     block_sizes: DecodeBlockSizes | None = None,
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> Array:
     """Routed experts for decode rows: `Σ_k weights[t,k] · E_{indices[t,k]}(in_scale[t,k] · x[t])`.
 
@@ -120,18 +120,19 @@ def moe_decode(
       gate, up: `[E, H, I]`; down: `[E, I, H]`, one of bf16 (fast path), f16, f32 (TF32 on a GPU).
       indices: `[T, K]` int expert ids; ids outside [0, E) contribute nothing.
       weights: `[T, K]` output weight of each slot. in_scale: `[T, K]` input scale of each slot, or None.
-      activation, limit, clamp_order, alpha: the gated activation (see `expert_tiles.gated_activation`).
+      activation: the gated activation `h = act(gate, up)` (`GatedActivation`: SwiGLU by default).
       gate_bias, up_bias: `[E, I]`, down_bias: `[E, H]`, all or none (gpt-oss): added in float32 to the
         gate/up accumulators before the activation and to the down output.
       block_sizes: `DecodeBlockSizes`, default `DecodeBlockSizes.default(H, I, dtype)`.
-      interpret: run on CPU under the Mosaic GPU interpreter.
+      interpret: None: compiled where lowered for CUDA, under the Mosaic GPU interpreter where lowered for CPU
+        (`pallas_kernels.platform`); True/False force one.
 
     Returns:
       `[T, H]` float32.
     """
     biases = (gate_bias, up_bias, down_bias)
     check_moe_inputs("moe_decode", x, gate, up, down, indices, weights, in_scale, biases)
-    check_activation(activation, limit, clamp_order, alpha)
+    require_activation("moe_decode", activation)
     T, H = x.shape
     E, _, I = gate.shape
     K = indices.shape[1]
@@ -166,9 +167,6 @@ def moe_decode(
         tile_block,
         num_tiles,
         activation=activation,
-        limit=limit,
-        clamp_order=clamp_order,
-        alpha=alpha,
         gate_bias=gate_bias,
         up_bias=up_bias,
         block_sizes=bs.gate_up,
@@ -198,15 +196,12 @@ def moe_decode_reference(
     weights: Array,
     in_scale: Array | None = None,
     *,
-    activation: str = "silu",
-    limit: float | None = None,
-    clamp_order: str = "before_activation",
-    alpha: float = 1.702,
+    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
     gate_bias: Array | None = None,
     up_bias: Array | None = None,
     down_bias: Array | None = None,
     block_sizes: DecodeBlockSizes | None = None,
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> Array:
     """Plain-jnp `moe_decode` (dense over experts); `block_sizes` and `interpret` exist for signature parity."""
     del block_sizes, interpret
@@ -222,9 +217,6 @@ def moe_decode_reference(
         weights,
         in_scale,
         activation=activation,
-        limit=limit,
-        clamp_order=clamp_order,
-        alpha=alpha,
         gate_bias=gate_bias,
         up_bias=up_bias,
         down_bias=down_bias,

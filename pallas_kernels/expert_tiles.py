@@ -21,15 +21,17 @@ Shapes must be multiples of the blocks (the callers pad); the row tile is fixed 
 wgmma reads float32 operands as TF32 and only K-major, so float32 weights are transposed by the wrapper and
 the kernel multiplies by the transposed shared-memory view; this is a compatibility path (it copies the weights
 per call and rounds to TF32 on a GPU), bf16/f16 are the fast path. GPU interpret mode on CPU
-(`InterpretGPUParams`, private API in jax 0.10/0.11, used only through `interpret_params` below) does not
+(`InterpretGPUParams`, private API in jax 0.10/0.11, used only in `pallas_kernels.platform`) does not
 implement the transposed view, so under interpretation float32 runs the untransposed body (exact float32).
+
+`interpret=None` (the default of every public op) leaves the choice to the platform the program is lowered for:
+compiled for CUDA, interpreted for CPU (`pallas_kernels.platform`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -37,76 +39,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.activations import GatedActivation
+from pallas_kernels.platform import interpret_by_platform, interpret_params
+
 Array = jax.Array
 
 TILE_ROWS = 64  # rows of one wgmma warpgroup tile
-ACTIVATIONS = ("silu", "gelu_tanh", "gpt_oss")
-CLAMP_ORDERS = ("before_activation", "after_activation")
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _H100_SMS = 132  # H100 SXM and H200: the default when no GPU can be asked (lowering from a CPU host)
 _INTERPRET_PROGRAMS = 2
 
 
-def gated_activation(
-    gate: Array, up: Array, *, activation: str, limit: float | None, clamp_order: str, alpha: float
-) -> Array:
-    """`h = f(gate, up)` in float32: the kernels' epilogue and the references' math (same expressions).
-
-    silu: `silu(g) · u`; gelu_tanh: `gelu_tanh(g) · u`; with a limit, `u` is clamped to ±limit and the gate
-    side is `act(min(g, L))` (clamp_order="before_activation") or `min(act(g), L)` ("after_activation");
-    gpt_oss: `(clamp(u, ±L) + 1) · g' · sigmoid(alpha · g')`, `g' = min(g, L)`.
-    """
-    g = gate.astype(jnp.float32)
-    u = up.astype(jnp.float32)
-    if activation == "gpt_oss":
-        g = jnp.minimum(g, limit)
-        u = jnp.clip(u, -limit, limit)
-        return (u + 1.0) * (g * jax.nn.sigmoid(alpha * g))
-    act = _silu if activation == "silu" else _gelu_tanh
-    if limit is None:
-        return act(g) * u
-    u = jnp.clip(u, -limit, limit)
-    if clamp_order == "before_activation":
-        return act(jnp.minimum(g, limit)) * u
-    return jnp.minimum(act(g), limit) * u
-
-
-def _silu(z: Array) -> Array:
-    return z * jax.nn.sigmoid(z)
-
-
-def _gelu_tanh(z: Array) -> Array:
-    # jax.nn.gelu(approximate=True), written with products (no integer_pow in the kernel).
-    return z * (0.5 * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * (z * z * z)))))
-
-
-def check_activation(activation: str, limit: float | None, clamp_order: str, alpha: float) -> None:
-    """`ValueError` naming the argument for an unknown activation, clamp order, or a bad limit."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
-    if clamp_order not in CLAMP_ORDERS:
-        raise ValueError(f"clamp_order={clamp_order!r} is not one of {CLAMP_ORDERS}")
-    if limit is not None and not limit > 0:
-        raise ValueError(f"limit={limit!r} must be None (no clamp) or > 0")
-    if activation == "gpt_oss" and limit is None:
-        raise ValueError("activation='gpt_oss' needs a limit (7.0 in gpt-oss)")
-    if not math.isfinite(alpha):
-        raise ValueError(f"alpha={alpha!r} must be finite")
-
-
-def interpret_params(interpret: bool) -> Any:
-    """What `plgpu.kernel(interpret=...)` needs: None on a GPU, the GPU interpreter's parameters on CPU.
-
-    Mosaic GPU kernels with TMA copies and wgmma run on CPU only under the GPU interpreter, whose parameter
-    class is private in jax 0.10/0.11: this is the one place that imports it.
-    """
-    if not interpret:
-        return None
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    except ImportError as err:  # a JAX without the Mosaic GPU interpreter
-        raise NotImplementedError(f"Mosaic GPU interpret mode is not available in jax {jax.__version__}") from err
-    return InterpretGPUParams()
+def require_activation(name: str, activation: object) -> None:
+    """`TypeError` unless `activation` is a `GatedActivation` (which validated its fields when it was made)."""
+    if not isinstance(activation, GatedActivation):
+        raise TypeError(f"{name}: activation must be a pallas_kernels.GatedActivation, got {activation!r}")
 
 
 def default_num_programs(interpret: bool) -> int:
@@ -252,10 +199,7 @@ def dense_reference(
     weights: Array,
     in_scale: Array | None,
     *,
-    activation: str,
-    limit: float | None,
-    clamp_order: str,
-    alpha: float,
+    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
     gate_bias: Array | None = None,
     up_bias: Array | None = None,
     down_bias: Array | None = None,
@@ -263,7 +207,7 @@ def dense_reference(
     """`Σ_k w[t,k] · E_idx[t,k](s[t,k] · x[t])` float32 `[T, H]`, one expert at a time over all rows (a scan:
     memory O(T·I) at any E). Matmuls take the weight dtype and accumulate in float32, h is rounded to the weight
     dtype before the down projection, ids outside [0, E) contribute nothing."""
-    check_activation(activation, limit, clamp_order, alpha)
+    require_activation("dense_reference", activation)
     E = gate.shape[0]
     dtype = gate.dtype
     chosen = jax.nn.one_hot(indices, E, dtype=jnp.float32)  # [T, K, E]; out-of-range ids have no column
@@ -280,7 +224,7 @@ def dense_reference(
         if gate_bias is not None:
             g = g + gate_bias[e].astype(jnp.float32)
             u = u + up_bias[e].astype(jnp.float32)
-        h = gated_activation(g, u, activation=activation, limit=limit, clamp_order=clamp_order, alpha=alpha)
+        h = activation(g, u)
         y = jnp.dot(h.astype(dtype), down[e], preferred_element_type=jnp.float32)  # [T, H]
         if down_bias is not None:
             y = y + down_bias[e].astype(jnp.float32)
@@ -319,7 +263,7 @@ def _gate_up_kernel(
     *refs,  # [gate_bias_ref, up_bias_ref ([E, I] float32 GMEM),] h_ref ([N_tiles * 64, I] GMEM out)
     block_sizes: TileBlockSizes,
     transposed: bool,
-    act: Any,
+    act: GatedActivation,
 ):
     *bias_refs, h_ref = refs
     bs = block_sizes
@@ -399,6 +343,7 @@ def _kernel_params() -> plgpu.CompilerParams:
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
+@interpret_by_platform
 def gate_up_tiles(
     x: Array,
     gate: Array,
@@ -407,21 +352,18 @@ def gate_up_tiles(
     tile_block: Array,
     num_tiles: Array,
     *,
-    activation: str = "silu",
-    limit: float | None = None,
-    clamp_order: str = "before_activation",
-    alpha: float = 1.702,
+    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
     gate_bias: Array | None = None,
     up_bias: Array | None = None,
     block_sizes: TileBlockSizes | None = None,
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> Array:
     """`h [N_tiles·64, I]` in the weight dtype; tile t (< num_tiles) holds `act(x_b @ gate[e] + gate_bias[e],
     x_b @ up[e] + up_bias[e])` for x_b = rows `[64·tile_block[t], +64)` of `x [R, H]` and e = `tile_expert[t]`
     (biases `[E, I]`, both or neither); tiles >= num_tiles are left unwritten. H and I must be multiples of the
     blocks."""
     _check_tiles("gate_up_tiles", x, gate, tile_expert, tile_block, num_tiles)
-    check_activation(activation, limit, clamp_order, alpha)
+    require_activation("gate_up_tiles", activation)
     if up.shape != gate.shape or up.dtype != gate.dtype:
         raise ValueError(f"gate_up_tiles: up must match gate, got {gate.shape=} {up.shape=}")
     E, H, I = gate.shape
@@ -432,9 +374,8 @@ def gate_up_tiles(
     transposed = x.dtype == jnp.float32 and not interpret
     if transposed:  # TF32 wgmma reads K-major operands only
         gate, up = jnp.swapaxes(gate, 1, 2), jnp.swapaxes(up, 1, 2)
-    act = functools.partial(gated_activation, activation=activation, limit=limit, clamp_order=clamp_order, alpha=alpha)
     kernel = plgpu.kernel(
-        functools.partial(_gate_up_kernel, block_sizes=bs, transposed=transposed, act=act),
+        functools.partial(_gate_up_kernel, block_sizes=bs, transposed=transposed, act=activation),
         out_type=jax.ShapeDtypeStruct((tile_expert.shape[0] * TILE_ROWS, I), x.dtype),
         grid=(bs.num_programs,),
         grid_names=("sm",),
@@ -454,25 +395,22 @@ def gate_up_tiles_reference(
     tile_block: Array,
     num_tiles: Array,
     *,
-    activation: str = "silu",
-    limit: float | None = None,
-    clamp_order: str = "before_activation",
-    alpha: float = 1.702,
+    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
     gate_bias: Array | None = None,
     up_bias: Array | None = None,
     block_sizes: TileBlockSizes | None = None,
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> Array:
     """Plain-jnp `gate_up_tiles`; tiles >= num_tiles are zero here (unwritten in the kernel)."""
     del block_sizes, interpret
-    check_activation(activation, limit, clamp_order, alpha)
+    require_activation("gate_up_tiles_reference", activation)
     xb = x.reshape(-1, TILE_ROWS, x.shape[1])[tile_block]  # [N_tiles, 64, H]
     g = jnp.einsum("trh,thi->tri", xb, gate[tile_expert], preferred_element_type=jnp.float32)
     u = jnp.einsum("trh,thi->tri", xb, up[tile_expert], preferred_element_type=jnp.float32)
     if gate_bias is not None:
         g = g + gate_bias.astype(jnp.float32)[tile_expert][:, None]
         u = u + up_bias.astype(jnp.float32)[tile_expert][:, None]
-    h = gated_activation(g, u, activation=activation, limit=limit, clamp_order=clamp_order, alpha=alpha)
+    h = activation(g, u)
     live = jnp.arange(tile_expert.shape[0]) < num_tiles[0]
     return jnp.where(live[:, None, None], h, 0.0).astype(x.dtype).reshape(-1, gate.shape[2])
 
@@ -529,6 +467,7 @@ def _down_kernel(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+@interpret_by_platform
 def down_tiles(
     h: Array,
     down: Array,
@@ -538,7 +477,7 @@ def down_tiles(
     rows_out: int = TILE_ROWS,
     down_bias: Array | None = None,
     block_sizes: TileBlockSizes | None = None,
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> Array:
     """`y [N_tiles·rows_out, H]` float32: the first `rows_out` rows of `h[tile] @ down[e] + down_bias[e]`,
     e = `tile_expert[tile]`, for tiles < num_tiles (the rest unwritten). I and H must be multiples of the
@@ -577,7 +516,7 @@ def down_tiles_reference(
     rows_out: int = TILE_ROWS,
     down_bias: Array | None = None,
     block_sizes: TileBlockSizes | None = None,
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> Array:
     """Plain-jnp `down_tiles`; tiles >= num_tiles are zero here (unwritten in the kernel)."""
     del block_sizes, interpret

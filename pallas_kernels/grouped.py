@@ -27,10 +27,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.activations import GatedActivation
 from pallas_kernels.expert_tiles import (
     TILE_ROWS,
     TileBlockSizes,
-    check_activation,
     check_moe_inputs,
     combine_slots,
     dense_reference,
@@ -38,8 +38,10 @@ from pallas_kernels.expert_tiles import (
     gate_up_tiles,
     pad_biases,
     pad_experts,
+    require_activation,
     round_up,
 )
+from pallas_kernels.platform import interpret_by_platform
 
 Array = jax.Array
 
@@ -102,6 +104,7 @@ def block_aligned_layout(indices: Array, num_experts: int) -> tuple[Array, Array
     return pair_row, row_pair, tile_expert, tile_end[-1:].astype(jnp.int32)
 
 
+@interpret_by_platform
 def moe_grouped(
     x: Array,
     gate: Array,
@@ -111,15 +114,12 @@ def moe_grouped(
     weights: Array,
     in_scale: Array | None = None,
     *,
-    activation: str = "silu",
-    limit: float | None = None,
-    clamp_order: str = "before_activation",
-    alpha: float = 1.702,
+    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
     gate_bias: Array | None = None,
     up_bias: Array | None = None,
     down_bias: Array | None = None,
     block_sizes: GroupedBlockSizes | None = None,
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> Array:
     """Routed experts for any number of rows: `Σ_k weights[t,k] · E_{indices[t,k]}(in_scale[t,k] · x[t])`.
 
@@ -128,18 +128,19 @@ def moe_grouped(
       gate, up: `[E, H, I]`; down: `[E, I, H]`, one of bf16 (fast path), f16, f32 (TF32 on a GPU).
       indices: `[T, K]` int expert ids; ids outside [0, E) contribute nothing.
       weights: `[T, K]` output weight of each slot. in_scale: `[T, K]` input scale of each slot, or None.
-      activation, limit, clamp_order, alpha: the gated activation (see `expert_tiles.gated_activation`).
+      activation: the gated activation `h = act(gate, up)` (`GatedActivation`: SwiGLU by default).
       gate_bias, up_bias: `[E, I]`, down_bias: `[E, H]`, all or none (gpt-oss): added in float32 to the
         gate/up accumulators before the activation and to the down output.
       block_sizes: `GroupedBlockSizes`, default `GroupedBlockSizes.default(H, I, dtype)`.
-      interpret: run on CPU under the Mosaic GPU interpreter.
+      interpret: None: compiled where lowered for CUDA, under the Mosaic GPU interpreter where lowered for CPU
+        (`pallas_kernels.platform`); True/False force one.
 
     Returns:
       `[T, H]` float32.
     """
     biases = (gate_bias, up_bias, down_bias)
     check_moe_inputs("moe_grouped", x, gate, up, down, indices, weights, in_scale, biases)
-    check_activation(activation, limit, clamp_order, alpha)
+    require_activation("moe_grouped", activation)
     T, H = x.shape
     E, _, I = gate.shape
     K = indices.shape[1]
@@ -171,9 +172,6 @@ def moe_grouped(
         tile_block,
         num_tiles,
         activation=activation,
-        limit=limit,
-        clamp_order=clamp_order,
-        alpha=alpha,
         gate_bias=gate_bias,
         up_bias=up_bias,
         block_sizes=bs.gate_up,
@@ -193,15 +191,12 @@ def moe_grouped_reference(
     weights: Array,
     in_scale: Array | None = None,
     *,
-    activation: str = "silu",
-    limit: float | None = None,
-    clamp_order: str = "before_activation",
-    alpha: float = 1.702,
+    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
     gate_bias: Array | None = None,
     up_bias: Array | None = None,
     down_bias: Array | None = None,
     block_sizes: GroupedBlockSizes | None = None,
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> Array:
     """Plain-jnp `moe_grouped` (dense over experts); `block_sizes` and `interpret` exist for signature parity."""
     del block_sizes, interpret
@@ -217,9 +212,6 @@ def moe_grouped_reference(
         weights,
         in_scale,
         activation=activation,
-        limit=limit,
-        clamp_order=clamp_order,
-        alpha=alpha,
         gate_bias=gate_bias,
         up_bias=up_bias,
         down_bias=down_bias,

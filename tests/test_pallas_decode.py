@@ -14,9 +14,8 @@ import pytest
 
 import moejax
 import pallas_kernels
-from moejax import kernel_plans
-from moejax.forward import resolve_impl
-from pallas_kernels import decode, expert_tiles, grouped
+from moejax import backends
+from pallas_kernels import GatedActivation, decode, expert_tiles, grouped
 
 
 def random_case(seed, *, T, K, E, H, I, dtype, id_range=None, scale=False):
@@ -44,7 +43,7 @@ def assert_close(actual, expected, dtype):
 
 CASES = [
     # T=1 over 256 experts: 248 empty experts, H and I below one block.
-    dict(T=1, K=8, E=256, H=40, I=24, dtype=jnp.bfloat16, act={}),
+    dict(T=1, K=8, E=256, H=40, I=24, dtype=jnp.bfloat16, act=GatedActivation()),
     # T·K = 64 with repeated ids across rows, I above one block (80 -> 128), clamped GELU.
     dict(
         T=8,
@@ -54,14 +53,14 @@ CASES = [
         I=80,
         dtype=jnp.float32,
         id_range=16,
-        act=dict(activation="gelu_tanh", limit=1.0, clamp_order="after_activation"),
+        act=GatedActivation("gelu_tanh", limit=1.0, clamp_order="after_activation"),
     ),
     # Ids >= E (zero-computation experts) contribute nothing; clamped SwiGLU, gate clamped first.
-    dict(T=5, K=4, E=12, H=40, I=24, dtype=jnp.bfloat16, id_range=16, act=dict(limit=0.5)),
+    dict(T=5, K=4, E=12, H=40, I=24, dtype=jnp.bfloat16, id_range=16, act=GatedActivation(limit=0.5)),
     # gpt-oss activation; odd T.
-    dict(T=3, K=4, E=8, H=40, I=24, dtype=jnp.float32, act=dict(activation="gpt_oss", limit=0.5, alpha=1.5)),
+    dict(T=3, K=4, E=8, H=40, I=24, dtype=jnp.float32, act=GatedActivation("gpt_oss", limit=0.5, alpha=1.5)),
     # Weights on the input (Llama-4: K=1).
-    dict(T=4, K=1, E=8, H=40, I=24, dtype=jnp.bfloat16, scale=True, act={}),
+    dict(T=4, K=1, E=8, H=40, I=24, dtype=jnp.bfloat16, scale=True, act=GatedActivation()),
 ]
 
 
@@ -70,8 +69,8 @@ def test_decode_kernel_equals_reference(case):
     case = dict(case)
     act, dtype = case.pop("act"), case["dtype"]
     args = random_case(case["T"] * 100 + case["K"], **case)
-    got = jax.jit(lambda *a: decode.moe_decode(*a, interpret=True, **act))(*args)
-    want = jax.jit(lambda *a: decode.moe_decode_reference(*a, **act))(*args)
+    got = jax.jit(lambda *a: decode.moe_decode(*a, activation=act))(*args)  # interpreted: lowered for CPU
+    want = jax.jit(lambda *a: decode.moe_decode_reference(*a, activation=act))(*args)
     assert got.dtype == want.dtype == jnp.float32 and got.shape == want.shape
     assert_close(got, want, dtype)
 
@@ -92,9 +91,9 @@ def test_union_of_experts_dedupes_on_device():
 )
 def test_moe_forward_pallas_equals_reference(family, T, dtype):
     cfg = moejax.MoEConfig.preset(family, hidden_size=40, intermediate_size=24)
-    params = jax.jit(lambda k: moejax.init_params(cfg, k, dtype=dtype))(jax.random.key(1))
+    params = jax.jit(lambda k: moejax.init_params(cfg, k, dtype=dtype, layout="stacked"))(jax.random.key(1))
     x = jnp.asarray(np.random.default_rng(2).standard_normal((T, 40)), dtype)
-    assert resolve_impl("pallas", T, cfg) == "pallas_decode"
+    assert backends.candidates("pallas", T, cfg.top_k) == ["pallas_decode"]
     got = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl="pallas"))(params, x)
     want = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl="reference"))(params, x)
     assert got.dtype == x.dtype
@@ -127,38 +126,31 @@ def test_block_sizes_are_validated():
     assert expert_tiles.TileBlockSizes.default(768, 2048, jnp.float32).block_k == 32
 
 
-def test_decode_rejects_too_many_rows():
+def test_decode_rejects_bad_inputs():
     args = random_case(0, T=9, K=2, E=4, H=8, I=8, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="T <= 8"):
+        decode.moe_decode(*args)  # raised while tracing, before any platform is chosen
     with pytest.raises(ValueError, match="T <= 8"):
         decode.moe_decode(*args, interpret=True)
     args = random_case(0, T=2, K=2, E=4, H=8, I=8, dtype=jnp.float32)
-    with pytest.raises(ValueError, match="activation"):
-        decode.moe_decode(*args, activation="relu")
+    with pytest.raises(TypeError, match="GatedActivation"):
+        decode.moe_decode(*args, activation="silu")
+    with pytest.raises(ValueError, match="kind"):
+        GatedActivation("relu")
 
 
-def test_unsupported_config_raises_and_auto_falls_back(monkeypatch):
-    # Weights on the input with hash routing: a row may repeat an expert, which the grouped kernel cannot serve.
-    cfg = moejax.MoEConfig(
-        hidden_size=40,
-        num_experts=8,
-        top_k=2,
-        intermediate_size=24,
-        weights_on_input=True,
-        hash_routing=True,
-        vocab_size=50,
-    )
-    params = jax.jit(lambda k: moejax.init_params(cfg, k))(jax.random.key(0))
+def test_unsupported_weights_raise_and_auto_falls_back(monkeypatch):
+    # The kernels read the stacked layout; the per-expert layout (the CPU plans') raises NotImplementedError.
+    cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=40, num_experts=8, top_k=2, intermediate_size=24)
+    params = jax.jit(lambda k: moejax.init_params(cfg, k, layout="per_expert"))(jax.random.key(0))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((20, 40)), jnp.float32)
-    token_ids = jnp.arange(20, dtype=jnp.int32)
-    with pytest.raises(NotImplementedError, match="hash routing"):
-        moejax.moe_forward(params, x, cfg, token_ids, impl="pallas")
-    # On CPU "auto" is the XLA plan; where a kernel is validated but raises, "auto" falls back to the XLA plan.
-    assert resolve_impl("auto", 2, cfg) == "xla_decode"
-    assert resolve_impl("auto", 20, cfg) == "xla_grouped"
-    monkeypatch.setattr(moejax.forward, "kernel_validated", lambda impl: True)
-    assert resolve_impl("auto", 20, cfg) == "pallas_grouped"
-    got = jax.jit(lambda p, x, t: moejax.moe_forward(p, x, cfg, t, impl="auto"))(params, x, token_ids)
-    want = jax.jit(lambda p, x, t: moejax.moe_forward(p, x, cfg, t, impl="xla"))(params, x, token_ids)
+    with pytest.raises(NotImplementedError, match="ExpertWeights"):
+        moejax.moe_forward(params, x, cfg, impl="pallas")
+    # Where a kernel is validated but raises, "auto" falls back to the next implementation.
+    monkeypatch.setattr(backends, "kernel_validated", lambda name: True)
+    assert backends.candidates("auto", 20, cfg.top_k)[0] == "pallas_grouped"
+    got = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl="auto"))(params, x)
+    want = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl="cpu"))(params, x)
     np.testing.assert_array_equal(got, want)
 
 
@@ -174,16 +166,9 @@ def test_auto_picks_only_validated_kernels(tmp_path, monkeypatch):
         pallas_kernels.is_validated("moe_other", "NVIDIA H200", "0.11.0")
 
     cfg = moejax.MoEConfig.preset("qwen3_moe")
-    monkeypatch.setattr(moejax.forward, "kernel_validated", lambda impl: impl == "pallas_decode")
-    assert resolve_impl("auto", 2, cfg) == "pallas_decode"
-    assert resolve_impl("auto", 100, cfg) == "xla_grouped"
-
-
-def test_interpret_mode_follows_backend():
-    assert kernel_plans.interpret_mode()  # CPU backend here
-    with kernel_plans.compiled_kernels():
-        assert not kernel_plans.interpret_mode()
-    assert kernel_plans.interpret_mode()
+    monkeypatch.setattr(backends, "kernel_validated", lambda name: name == "pallas_decode")
+    assert backends.candidates("auto", 2, cfg.top_k)[0] == "pallas_decode"
+    assert "pallas_grouped" not in backends.candidates("auto", 100, cfg.top_k)
 
 
 def test_decode_kernel_is_batch_invariant():

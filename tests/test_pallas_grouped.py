@@ -3,6 +3,8 @@
 empty experts, zero-computation expert ids, T from 1 to a few hundred, bf16 and float32; and the block-aligned
 metadata, a property test (hypothesis) without the kernels."""
 
+import functools
+
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -12,14 +14,14 @@ import pytest
 from test_pallas_decode import assert_close, random_case
 
 import moejax
-from moejax.forward import resolve_impl
-from pallas_kernels import expert_tiles, grouped
+from moejax import backends
+from pallas_kernels import GatedActivation, expert_tiles, grouped, platform
 
 CASES = [
     # Many rows over few experts: several tiles per expert, the last one partly padding; I above one block.
-    dict(T=150, K=2, E=4, H=72, I=80, dtype=jnp.bfloat16, act={}),
+    dict(T=150, K=2, E=4, H=72, I=80, dtype=jnp.bfloat16, act=GatedActivation()),
     # E=256 with most experts empty (interpretation costs time per tile and per weight byte: keep both few).
-    dict(T=6, K=2, E=256, H=40, I=24, dtype=jnp.float32, act=dict(activation="gelu_tanh")),
+    dict(T=6, K=2, E=256, H=40, I=24, dtype=jnp.float32, act=GatedActivation("gelu_tanh")),
     # Zero-computation ids (>= E) and repeated ids; clamped SwiGLU applied after the activation.
     dict(
         T=24,
@@ -29,12 +31,12 @@ CASES = [
         I=24,
         dtype=jnp.bfloat16,
         id_range=9,
-        act=dict(limit=0.5, clamp_order="after_activation"),
+        act=GatedActivation(limit=0.5, clamp_order="after_activation"),
     ),
     # One row (one pair): the smallest layout; gpt-oss activation.
-    dict(T=1, K=1, E=8, H=40, I=24, dtype=jnp.float32, act=dict(activation="gpt_oss", limit=0.5)),
+    dict(T=1, K=1, E=8, H=40, I=24, dtype=jnp.float32, act=GatedActivation("gpt_oss", limit=0.5)),
     # Weights on the input (Llama-4).
-    dict(T=40, K=1, E=8, H=40, I=24, dtype=jnp.bfloat16, scale=True, act={}),
+    dict(T=40, K=1, E=8, H=40, I=24, dtype=jnp.bfloat16, scale=True, act=GatedActivation()),
 ]
 
 
@@ -43,8 +45,8 @@ def test_grouped_kernel_equals_reference(case):
     case = dict(case)
     act, dtype = case.pop("act"), case["dtype"]
     args = random_case(case["T"] * 100 + case["K"], **case)
-    got = jax.jit(lambda *a: grouped.moe_grouped(*a, interpret=True, **act))(*args)
-    want = jax.jit(lambda *a: grouped.moe_grouped_reference(*a, **act))(*args)
+    got = jax.jit(lambda *a: grouped.moe_grouped(*a, activation=act))(*args)  # interpreted: lowered for CPU
+    want = jax.jit(lambda *a: grouped.moe_grouped_reference(*a, activation=act))(*args)
     assert got.dtype == want.dtype == jnp.float32 and got.shape == want.shape
     assert_close(got, want, dtype)
 
@@ -70,6 +72,38 @@ def test_tile_kernels_equal_their_references():
     live = 2 * 64
     assert_close(h[:live], h_ref[:live], jnp.bfloat16)
     assert_close(y[: 2 * 16], y_ref[: 2 * 16], jnp.float32)
+
+
+def test_independent_interpreted_kernels_never_give_wrong_numbers():
+    """XLA:CPU may run two kernels with no data dependency between them at once, and the interpreter simulates one
+    GPU per process: with `interpret=None` that is an error, never wrong numbers, and `reset_interpreter()` makes
+    the interpreter usable again; `interpret=True` orders the two by JAX's effects."""
+    rng = np.random.default_rng(1)
+    E, H, I = 3, 64, 64
+    x = jnp.asarray(rng.standard_normal((64, H)), jnp.bfloat16)
+    gate, up = (jnp.asarray(rng.standard_normal((E, H, I)) / 8, jnp.bfloat16) for _ in range(2))
+    tables = (jnp.array([2], jnp.int32), jnp.array([0], jnp.int32), jnp.array([1], jnp.int32))
+    want = [
+        expert_tiles.gate_up_tiles_reference(x, gate, up, *tables),
+        expert_tiles.gate_up_tiles_reference(x, up, gate, *tables),
+    ]
+
+    def two(interpret):
+        tiles = functools.partial(expert_tiles.gate_up_tiles, interpret=interpret)
+        return jax.jit(lambda x, g, u: (tiles(x, g, u, *tables), tiles(x, u, g, *tables)))(x, gate, up)
+
+    try:
+        got = two(None)
+    except jax.errors.JaxRuntimeError as err:
+        assert "interpreted at once" in str(err)
+        platform.reset_interpreter()
+    else:
+        for g, w in zip(got, want, strict=True):
+            assert_close(g, w, jnp.bfloat16)
+    for g, w in zip(two(True), want, strict=True):
+        assert_close(g, w, jnp.bfloat16)
+    (got,) = jax.jit(lambda x, g, u: (expert_tiles.gate_up_tiles(x, g, u, *tables),))(x, gate, up)
+    assert_close(got, want[0], jnp.bfloat16)
 
 
 _layout = jax.jit(grouped.block_aligned_layout, static_argnums=1)
@@ -108,9 +142,9 @@ def test_moe_forward_pallas_grouped_equals_reference(family):
     # qwen3.5: a sigmoid-gated shared expert; gpt-oss: expert biases and its activation. Few experts:
     # interpretation costs time per tile.
     cfg = moejax.MoEConfig.preset(family, hidden_size=40, intermediate_size=24, num_experts=4, top_k=2)
-    params = jax.jit(lambda k: moejax.init_params(cfg, k, dtype=jnp.bfloat16))(jax.random.key(3))
+    params = jax.jit(lambda k: moejax.init_params(cfg, k, dtype=jnp.bfloat16, layout="stacked"))(jax.random.key(3))
     x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 17, 40)), jnp.bfloat16)
-    assert resolve_impl("pallas", 34, cfg) == "pallas_grouped"
+    assert backends.candidates("pallas", 34, cfg.top_k) == ["pallas_grouped"]
     got = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl="pallas"))(params, x)
     want = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl="reference"))(params, x)
     assert got.shape == x.shape and got.dtype == x.dtype

@@ -1,8 +1,11 @@
 """CUDA lowering from this CPU host of `moe_forward(..., impl="pallas")` at real layer sizes, with abstract inputs
-(`jax.ShapeDtypeStruct`: no memory). Lowering runs the Mosaic GPU pipeline up to the kernel's MLIR module,
-including the shared-memory budget check, so a kernel that would not build for a GPU fails here; what the GPU's
-own compiler and the device decide (registers, numerics, speed) is seen only on a GPU (benchmarks/gpu_bench.py)."""
+(`jax.ShapeDtypeStruct`: no memory). The kernels pick compiled or interpreted mode by the platform they are lowered
+for (`interpret=None`, pallas_kernels/platform.py), so the same trace lowers for CUDA and for CPU. Lowering runs the
+Mosaic GPU pipeline up to the kernel's MLIR module, including the shared-memory budget check, so a kernel that
+would not build for a GPU fails here; ptxas's verdict (registers, spills) is tests/test_cuda_compile.py's, and
+what the device decides (numerics, speed) is seen only on a GPU (benchmarks/gpu_bench.py)."""
 
+import functools
 import re
 
 import jax
@@ -10,19 +13,21 @@ import jax.numpy as jnp
 import pytest
 
 import moejax
+import pallas_kernels
+from moejax import backends
 from moejax.bench import MODEL_LAYERS
-from moejax.forward import resolve_impl
-from moejax.kernel_plans import compiled_kernels
 
 QWEN3_30B_A3B = MODEL_LAYERS["qwen3-30b-a3b"]
 DEEPSEEK_V3 = MODEL_LAYERS["deepseek-v3"]
 
 
+def abstract_inputs(cfg, T, dtype):
+    params = jax.eval_shape(lambda k: moejax.init_params(cfg, k, dtype=dtype, layout="stacked"), jax.random.key(0))
+    return params, jax.ShapeDtypeStruct((T, cfg.hidden_size), dtype)
+
+
 def lower_for_cuda(cfg, T, dtype):
-    params = jax.eval_shape(lambda k: moejax.init_params(cfg, k, dtype=dtype), jax.random.key(0))
-    x = jax.ShapeDtypeStruct((T, cfg.hidden_size), dtype)
-    with compiled_kernels():
-        traced = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl="pallas")).trace(params, x)
+    traced = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl="pallas")).trace(*abstract_inputs(cfg, T, dtype))
     return traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -45,8 +50,8 @@ def test_moe_forward_pallas_lowers_for_cuda(cfg, T, dtype):
     assert len(kernel_calls) == 2, calls  # gate/up + activation, then down
     assert "moe_gate_up_tiles" in text and "moe_down_tiles" in text
     assert not any("callback" in c for c in calls), calls  # no interpreter left in a GPU program
-    plan = resolve_impl("pallas", T, cfg)
-    assert plan == ("pallas_decode" if T * cfg.top_k <= 64 and T <= 8 else "pallas_grouped")
+    plan = backends.candidates("pallas", T, cfg.top_k)
+    assert plan == ["pallas_decode" if T * cfg.top_k <= 64 and T <= 8 else "pallas_grouped"]
 
 
 VARIANTS = {
@@ -72,11 +77,70 @@ def test_family_variants_lower_for_cuda(family, T):
     assert len([c for c in calls if c.startswith("mosaic_gpu")]) == 2, calls
 
 
-def test_lowering_needs_compiled_kernels_on_a_cpu_host():
-    """Without `compiled_kernels()`, tracing on CPU picks the interpreter, whose host callbacks cannot be lowered
-    for CUDA: the failure is loud, not a silently interpreted GPU program."""
-    params = jax.eval_shape(lambda k: moejax.init_params(QWEN3_30B_A3B, k, dtype=jnp.bfloat16), jax.random.key(0))
-    x = jax.ShapeDtypeStruct((2, QWEN3_30B_A3B.hidden_size), jnp.bfloat16)
-    traced = jax.jit(lambda p, x: moejax.moe_forward(p, x, QWEN3_30B_A3B, impl="pallas")).trace(params, x)
+def custom_calls(text):
+    return sorted(set(re.findall(r"stablehlo\.custom_call @([\w$.]+)", text)))
+
+
+def test_the_lowering_platform_picks_compiled_or_interpreted():
+    """One trace of a kernel with the default `interpret=None`: lowered for CUDA it is the compiled Mosaic GPU
+    kernel, lowered for CPU the interpreter (host callbacks); a platform without a rule fails loudly, and a forced
+    mode keeps its own platform."""
+    bf16 = jnp.bfloat16
+    weights = jax.ShapeDtypeStruct((4, 64, 64), bf16)
+    args = (jax.ShapeDtypeStruct((2, 64), bf16), weights, weights, weights)
+    args += (jax.ShapeDtypeStruct((2, 2), jnp.int32), jax.ShapeDtypeStruct((2, 2), jnp.float32))
+    traced = jax.jit(pallas_kernels.moe_decode).trace(*args)
+    assert custom_calls(traced.lower(lowering_platforms=("cuda",)).as_text()) == ["mosaic_gpu_v2"]
+    assert custom_calls(traced.lower(lowering_platforms=("cpu",)).as_text()) == ["xla_ffi_python_cpu_callback"]
+    with pytest.raises(NotImplementedError, match=r"kernel_by_platform.*rocm"):
+        traced.lower(lowering_platforms=("rocm",))
+    forced = jax.jit(functools.partial(pallas_kernels.moe_decode, interpret=True)).trace(*args)
     with pytest.raises(ValueError, match="platform"):
-        traced.lower(lowering_platforms=("cuda",))
+        forced.lower(lowering_platforms=("cuda",))
+    forced = jax.jit(functools.partial(pallas_kernels.moe_decode, interpret=False)).trace(*args)
+    with pytest.raises(ValueError, match="interpret mode"):
+        forced.lower(lowering_platforms=("cpu",))
+
+
+def test_moe_forward_lowers_for_cuda_and_for_cpu_from_one_trace():
+    traced = jax.jit(lambda p, x: moejax.moe_forward(p, x, QWEN3_30B_A3B, impl="pallas")).trace(
+        *abstract_inputs(QWEN3_30B_A3B, 2, jnp.bfloat16)
+    )
+    cuda = custom_calls(traced.lower(lowering_platforms=("cuda",)).as_text())
+    cpu = custom_calls(traced.lower(lowering_platforms=("cpu",)).as_text())
+    assert "mosaic_gpu_v2" in cuda and not any("callback" in c for c in cuda), cuda
+    assert "xla_ffi_python_cpu_callback" in cpu and "mosaic_gpu_v2" not in cpu, cpu
+
+
+def export_for(platforms, T=2):
+    # Flat array arguments: serializing needs no pytree registration of moejax's parameter classes.
+    leaves, treedef = jax.tree.flatten(abstract_inputs(QWEN3_30B_A3B, T, jnp.bfloat16))
+    f = jax.jit(lambda *leaves: moejax.moe_forward(*treedef.unflatten(leaves), QWEN3_30B_A3B, impl="pallas"))
+    return jax.export.export(f, platforms=platforms)(*leaves)
+
+
+@pytest.mark.parametrize("T", [2, 300])  # the decode kernels, the grouped kernels
+def test_export_for_cuda_from_a_cpu_host(T):
+    """`jax.export` for CUDA on this CPU-only host: `mosaic_gpu_v2` is one of the custom calls JAX guarantees
+    stable (jax/_src/export/_export.py), so the compiled kernels export, and serialize round trip."""
+    exported = export_for(("cuda",), T)
+    assert exported.platforms == ("cuda",)
+    assert custom_calls(exported.mlir_module()) == ["mosaic_gpu_v2"]
+    pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers (the cuda-compile extra)")
+    restored = jax.export.deserialize(exported.serialize())
+    assert restored.platforms == ("cuda",) and restored.out_avals == exported.out_avals
+    assert custom_calls(restored.mlir_module()) == ["mosaic_gpu_v2"]
+
+
+@pytest.mark.parametrize(
+    ("platforms", "error"),
+    [
+        (("cpu", "cuda"), "multi-platform lowering for python_callback"),
+        (("cpu",), "serialization of host_callbacks is not yet implemented"),
+    ],
+)
+def test_export_with_the_interpreter_is_refused(platforms, error):
+    """An artifact for CPU would carry the interpreter, whose host callbacks JAX can neither lower for several
+    platforms at once nor serialize (jax 0.10.2): export for CUDA alone."""
+    with pytest.raises(NotImplementedError, match=error):
+        export_for(platforms)

@@ -1,0 +1,190 @@
+"""`interpret=None`: run a kernel compiled or interpreted according to the platform it is *lowered* for.
+
+A Mosaic GPU kernel runs compiled on a GPU and, for tests, under the Mosaic GPU interpreter on a CPU. Which one
+must follow the platform the program is lowered for, not the host that traces it: on a CPU-only host,
+`jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))` (ahead-of-time compilation, `jax.export`) must give
+the compiled kernel, and a plain call the interpreter.
+
+How: the op is staged out as one primitive, `kernel_by_platform`, whose MLIR lowering rule is registered per
+platform. The "cuda" rule lowers `op(..., interpret=False)` (the `mosaic_gpu_v2` custom call); the "cpu" rule
+lowers `op(..., interpret=True)`. Each variant is traced only when its platform is lowered, so a GPU host never
+traces the interpreter (private API) and a CPU host never needs a GPU. Any other platform has no rule: lowering
+for it fails loudly.
+
+Why not `jax.lax.platform_dependent(cpu=interpreted, cuda=compiled)`: the interpreter runs the kernel through
+*ordered* host callbacks (`io_callback(ordered=True)`, hard-coded in jax 0.10; they serialize the simulated
+threads), so the CPU branch carries an ordered effect the CUDA branch lacks; the `cond` that `platform_dependent`
+stages out takes the effect of both branches, but lowering for CUDA keeps only the CUDA branch and fails ("Lowering
+rule for `cond` returns incorrect set of output tokens"). Giving the CUDA program an ordered effect instead would
+thread a runtime token through every GPU program (and JAX refuses ordered effects on more than one device).
+
+So the primitive declares no effect, and the CPU rule runs the interpreter's token chain from a fresh token
+inside the kernel's own lowering: the interpreter's callbacks stay in order within the kernel, while two
+interpreted kernels are ordered by their data dependencies only (as compiled kernels are). The interpreter
+simulates one GPU per process, and XLA:CPU runs independent operations of a program concurrently, so two
+interpreted kernels with no data dependency between them in one program would corrupt each other: a lock taken
+by a first and released by a last ordered callback turns that into an error (it cannot wait for the lock: a
+waiting callback holds an XLA:CPU worker thread the running kernel needs, which deadlocks). Such programs can pass
+`interpret=True`, whose ordered effect serializes the kernels (CPU only). Separate programs run one after another.
+A failed interpretation (an error in a kernel, or that overlap) leaves the simulated GPU and the lock behind: call
+`reset_interpreter()` before interpreting again (the interpreter itself needs it after any error).
+
+Only inference: the primitive has no JVP or batching rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import io_callback
+from jax.extend import core as jex_core
+from jax.extend.mlir.dialects import stablehlo as hlo
+from jax.interpreters import mlir
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _OpCall:
+    """One call of `op` with its array arguments taken out: what the primitive carries as a (hashable) param."""
+
+    op: Callable[..., Array]
+    treedef: Any  # of (args, kwargs)
+    is_array: tuple[bool, ...]  # per leaf of treedef
+    static: tuple[Any, ...]  # the non-array leaves (None where an array goes)
+
+    def __repr__(self) -> str:  # what a printed jaxpr shows: kernel_by_platform[call=moe_decode]
+        return self.op.__name__
+
+    def __call__(self, *arrays: Array, interpret: bool) -> Array:
+        it = iter(arrays)
+        leaves = [next(it) if a else s for a, s in zip(self.is_array, self.static, strict=True)]
+        args, kwargs = jax.tree.unflatten(self.treedef, leaves)
+        return self.op(*args, **kwargs, interpret=interpret)
+
+
+kernel_by_platform_p = jex_core.Primitive("kernel_by_platform")
+
+
+def _abstract_eval(*avals, call: _OpCall):
+    # The output type of the compiled variant (it traces on any host; the interpreted one gives the same type),
+    # traced from the input avals themselves so that it keeps what they carry (inside shard_map: the manual axes
+    # the output varies over).
+    (out,) = jax.make_jaxpr(functools.partial(call, interpret=False))(*avals).out_avals
+    return out
+
+
+kernel_by_platform_p.def_abstract_eval(_abstract_eval)
+
+
+@functools.cache
+def _jitted(call: _OpCall) -> Callable[..., Array]:
+    return jax.jit(functools.partial(kernel_by_platform_p.bind, call=call))
+
+
+kernel_by_platform_p.def_impl(lambda *arrays, call: _jitted(call)(*arrays))
+
+
+def _lower_compiled(ctx: mlir.LoweringRuleContext, *args, call: _OpCall):
+    return mlir.lower_fun(functools.partial(call, interpret=False), multiple_results=False)(ctx, *args)
+
+
+def interpret_params(interpret: bool) -> Any:
+    """What `plgpu.kernel(interpret=...)` needs: None compiled, the GPU interpreter's parameters interpreted.
+
+    Mosaic GPU kernels with TMA copies and wgmma run on CPU only under the GPU interpreter, whose parameter
+    class is private in jax 0.10: this module is the one place that imports the interpreter.
+    """
+    if not interpret:
+        return None
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError as err:  # a JAX without the Mosaic GPU interpreter
+        raise NotImplementedError(f"Mosaic GPU interpret mode is not available in jax {jax.__version__}") from err
+    return InterpretGPUParams()
+
+
+def reset_interpreter() -> None:
+    """Make the interpreter usable again after an interpreted kernel failed (or overlapped another): the failed
+    run leaves the simulated GPU's state, and the lock, behind (JAX's `reset_gpu_interpret_mode_state`)."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+
+    reset_gpu_interpret_mode_state()
+    if _INTERPRETER_LOCK.locked():
+        _INTERPRETER_LOCK.release()
+
+
+_INTERPRETER_LOCK = threading.Lock()
+_TOKEN = jax.ShapeDtypeStruct((), np.int32)
+
+
+def _enter(token):
+    # Never wait here (module docstring): a blocked callback holds an XLA:CPU worker thread.
+    if not _INTERPRETER_LOCK.acquire(blocking=False):
+        raise RuntimeError(
+            "pallas_kernels: two Mosaic GPU kernels were interpreted at once (kernels with no data dependency "
+            "between them in one CPU program: pass interpret=True to order them), or an interpreted kernel failed "
+            "earlier in this process; call pallas_kernels.platform.reset_interpreter() before interpreting again"
+        )
+    return token
+
+
+def _exit(token):
+    _INTERPRETER_LOCK.release()
+    return token
+
+
+def _interpreted(call: _OpCall, *arrays: Array) -> Array:
+    """`call` under the interpreter, between two ordered host callbacks that take and release the lock (the
+    interpreter's own ordered host callbacks run between them, on the same token chain)."""
+    token = io_callback(_enter, _TOKEN, np.int32(0), ordered=True)
+    out = call(*arrays, interpret=True)
+    io_callback(_exit, _TOKEN, token, ordered=True)
+    return out
+
+
+def _lower_interpreted(ctx: mlir.LoweringRuleContext, *args, call: _OpCall):
+    closed = jax.make_jaxpr(functools.partial(_interpreted, call))(*ctx.avals_in)
+    # A fresh token for each effect of the interpreter (ordered host callbacks): the kernel's callbacks are
+    # chained from it, and the primitive itself has no effect for the enclosing program to thread.
+    tokens = mlir.TokenSet({effect: hlo.create_token() for effect in closed.effects})
+    consts = [mlir.ir_constant(c) for c in closed.consts]
+    outs, _ = mlir.jaxpr_subcomp(
+        ctx.module_context,
+        closed.jaxpr,
+        ctx.name_stack,
+        tokens,
+        consts,
+        *args,
+        dim_var_values=ctx.dim_var_values,
+        const_lowering=ctx.const_lowering,
+        outer_traceback=None,
+    )
+    return outs
+
+
+mlir.register_lowering(kernel_by_platform_p, _lower_compiled, platform="cuda")
+mlir.register_lowering(kernel_by_platform_p, _lower_interpreted, platform="cpu")
+
+
+def interpret_by_platform(op: Callable[..., Array]) -> Callable[..., Array]:
+    """Decorate a kernel op `op(..., *, interpret: bool | None = None, ...) -> Array`: with `interpret=None` the
+    lowering platform decides (cuda: compiled, cpu: interpreted); True/False are passed to `op` unchanged."""
+
+    @functools.wraps(op)
+    def wrapper(*args, interpret: bool | None = None, **kwargs) -> Array:
+        if interpret is not None:
+            return op(*args, interpret=bool(interpret), **kwargs)
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        is_array = tuple(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves)
+        static = tuple(None if a else leaf for a, leaf in zip(is_array, leaves, strict=True))
+        arrays = [leaf for a, leaf in zip(is_array, leaves, strict=True) if a]
+        return kernel_by_platform_p.bind(*arrays, call=_OpCall(op, treedef, is_array, static))
+
+    return wrapper
