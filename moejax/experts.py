@@ -1,107 +1,109 @@
-"""Expert math: the gated activations, one expert's FFN, the shared expert, and the dense float32 reference.
+"""Expert math over a weight format's operations: the slots the plans consume, the shared expert, the reference.
 
-`reference_routed` is the oracle every plan and kernel is tested against: every expert on every token in
-float32, masked by the routing, obviously correct and slow.
+The plans never see the config: they take the routed experts (any format, `moejax.weights`), the expert input
+`x [T, H]`, the `Slots` (expert id, input scale and output weight of each (token, slot) pair) and the
+`GatedActivation`. `reference_routed` is the oracle every plan and kernel is tested against: every expert on
+every token in float32, one expert at a time (memory O(T·H) at any E), masked by the slots.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from moejax.config import Activation, ClampOrder, MoEConfig
-from moejax.params import ExpertWeights, SharedParams
+from moejax.config import Activation, MoEConfig
+from moejax.params import SharedParams
 from moejax.routing import Routing
+from moejax.weights import Experts, ExpertWeights, as_stacked
+from pallas_kernels.activations import GatedActivation
 
 Array = jax.Array
 
-
-def gated_activation(gate: Array, up: Array, cfg: MoEConfig, limit: float | None) -> Array:
-    """`h = f(gate, up)` in float32 for the config's activation and clamp (`limit=None`: no clamp)."""
-    gate = gate.astype(jnp.float32)
-    up = up.astype(jnp.float32)
-    if cfg.activation is Activation.GPT_OSS:
-        g = jnp.minimum(gate, limit)
-        u = jnp.clip(up, -limit, limit)
-        return (u + 1.0) * (g * jax.nn.sigmoid(cfg.swiglu_alpha * g))
-    act = jax.nn.silu if cfg.activation is Activation.SILU else _gelu_tanh
-    if limit is None:
-        return act(gate) * up
-    up = jnp.clip(up, -limit, limit)
-    if cfg.clamp_order is ClampOrder.BEFORE_ACTIVATION:
-        return act(jnp.minimum(gate, limit)) * up
-    return jnp.minimum(act(gate), limit) * up
+_ACTIVATION_KINDS = {Activation.SILU: "silu", Activation.GELU_TANH: "gelu_tanh", Activation.GPT_OSS: "gpt_oss"}
 
 
-def _gelu_tanh(z: Array) -> Array:
-    return jax.nn.gelu(z, approximate=True)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """What the routed-expert plans read of the routing, per (token, slot) pair `[T, K]`.
 
-
-def expert_ffn(x: Array, w: ExpertWeights, cfg: MoEConfig) -> Array:
-    """One expert on rows `x [R, H]` -> `[R, H]` float32.
-
-    Matmuls take their inputs in the weight dtype and accumulate in float32; the activation runs in
-    float32 and is rounded to the weight dtype before the down projection (what a bf16 model does).
-    `w` holds one expert (no leading E axis), as returned by `ExpertWeights.expert(e)`.
+    indices: int32 expert ids; ids >= the number of experts the plan holds (zero-computation experts, experts on
+      another device) are skipped: never computed, their weights never read.
+    out_weight: float32 weight of the slot's output (0 for skipped slots).
+    in_scale: float32 scale of the slot's input (Llama-4), or None for unscaled inputs.
     """
-    dtype = w.gate.dtype
-    xw = x.astype(dtype)
-    gate = jnp.dot(xw, w.gate, preferred_element_type=jnp.float32)  # [R, I]
-    up = jnp.dot(xw, w.up, preferred_element_type=jnp.float32)  # [R, I]
-    if w.gate_bias is not None:
-        gate = gate + w.gate_bias.astype(jnp.float32)
-        up = up + w.up_bias.astype(jnp.float32)
-    h = gated_activation(gate, up, cfg, cfg.swiglu_limit)
-    y = jnp.dot(h.astype(dtype), w.down, preferred_element_type=jnp.float32)  # [R, H]
-    if w.down_bias is not None:
-        y = y + w.down_bias.astype(jnp.float32)
-    return y
+
+    indices: Array
+    out_weight: Array
+    in_scale: Array | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.indices.shape[0]
 
 
-def shared_expert_ffn(x: Array, shared: SharedParams, cfg: MoEConfig) -> Array:
-    """The shared expert on all rows `x [T, H]` -> `[T, H]` float32, its sigmoid gate applied if it has one."""
-    dtype = shared.gate.dtype
-    xw = x.astype(dtype)
-    gate = jnp.dot(xw, shared.gate, preferred_element_type=jnp.float32)
-    up = jnp.dot(xw, shared.up, preferred_element_type=jnp.float32)
-    h = gated_activation(gate, up, cfg, cfg.shared_swiglu_limit)
-    y = jnp.dot(h.astype(dtype), shared.down, preferred_element_type=jnp.float32)
+def expert_activation(cfg: MoEConfig) -> GatedActivation:
+    """The routed experts' gated activation of `cfg`."""
+    return GatedActivation(_ACTIVATION_KINDS[cfg.activation], cfg.swiglu_limit, cfg.clamp_order.value, cfg.swiglu_alpha)
+
+
+def shared_activation(cfg: MoEConfig) -> GatedActivation:
+    """The shared expert's gated activation (its own clamp)."""
+    return dataclasses.replace(expert_activation(cfg), limit=cfg.shared_swiglu_limit)
+
+
+def slots_from_routing(routing: Routing, cfg: MoEConfig) -> Slots:
+    """The slots of `routing`: normally the output weighted by the routing weight; Llama-4 scales the input and
+    sums the outputs unweighted. Zero-computation experts get output weight 0 (the combine adds their term)."""
+    real = routing.indices < cfg.num_experts
+    if cfg.weights_on_input:
+        return Slots(routing.indices, jnp.where(real, 1.0, 0.0).astype(jnp.float32), routing.weights)
+    return Slots(routing.indices, jnp.where(real, routing.weights, 0.0))
+
+
+def combine_slots(per_slot: Array, out_weight: Array) -> Array:
+    """`Σ_k w[t, k] · y[t, k]` `[T, K, H] -> [T, H]` in slot order; slots with weight 0 contribute exactly 0 (even
+    if y is not finite: those are unvisited or skipped slots)."""
+    weighted = jnp.where(out_weight[..., None] != 0, out_weight[..., None] * per_slot, 0.0)
+    return weighted.sum(1)
+
+
+def shared_expert_ffn(x: Array, shared: SharedParams, cfg: MoEConfig, *, float32: bool = False) -> Array:
+    """The shared expert on all rows `x [T, H]` -> `[T, H]` float32, its sigmoid gate applied if it has one.
+
+    `float32=True` computes in float32 whatever the weight dtype (the reference)."""
+    if float32:
+        shared = jax.tree.map(lambda w: w.astype(jnp.float32), shared)
+    y = ExpertWeights(shared.gate, shared.up, shared.down).ffn(x, shared_activation(cfg))
     if shared.gate_kernel is not None:
-        g = jnp.dot(xw, shared.gate_kernel.astype(dtype), preferred_element_type=jnp.float32)  # [T, 1]
+        dtype = shared.gate.dtype
+        g = jnp.dot(x.astype(dtype), shared.gate_kernel.astype(dtype), preferred_element_type=jnp.float32)  # [T, 1]
         y = jax.nn.sigmoid(g.astype(dtype).astype(jnp.float32)) * y
     return y
 
 
-def slot_scales(routing: Routing, cfg: MoEConfig) -> tuple[Array, Array]:
-    """Per slot `[T, K]`: the scale of the expert's input and the weight of its output.
+def reference_routed(experts: Experts, x: Array, slots: Slots, act: GatedActivation) -> Array:
+    """Dense float32 reference of `Σ_k w_k · E_{idx_k}(s_k · x)` `[T, H]`: every expert on every token, masked.
 
-    Normally the input is unscaled and the output weighted by the routing weight; Llama-4 scales the input
-    and sums the outputs unweighted. Zero-computation experts get output weight 0 here (their identity term
-    is added by the combine).
+    A scan over experts dequantizes one expert at a time to float32 (`ExpertFormat.dequantize`), so memory
+    stays O(T·H + one expert's weights) at any E. A row that picks an expert in two slots (hash routing) sums
+    their input scales, as the models do.
     """
-    real = routing.indices < cfg.num_experts
-    ones = jnp.ones_like(routing.weights)
-    if cfg.weights_on_input:
-        return routing.weights, jnp.where(real, ones, 0.0)
-    return ones, jnp.where(real, routing.weights, 0.0)
-
-
-def reference_routed(experts: ExpertWeights, x: Array, routing: Routing, cfg: MoEConfig) -> Array:
-    """Dense float32 reference of `Σ_k w_k · E_{idx_k}(x)`: every expert on every token, masked. `[T, H]`."""
-    E = cfg.num_experts
-    experts32 = jax.tree.map(lambda w: w.astype(jnp.float32), experts)
+    experts = as_stacked(experts)
+    E = experts.num_experts
+    chosen = jax.nn.one_hot(slots.indices, E, dtype=jnp.float32)  # [T, K, E]; skipped ids have no column
+    out_w = jnp.einsum("tk,tke->et", slots.out_weight, chosen)  # [E, T]
+    in_scale = jnp.ones_like(slots.out_weight) if slots.in_scale is None else slots.in_scale
+    scale = jnp.einsum("tk,tke->et", in_scale.astype(jnp.float32), chosen)  # [E, T]
+    selected = chosen.sum(1).T > 0  # [E, T]
     x32 = x.astype(jnp.float32)
-    in_scale, out_weight = slot_scales(routing, cfg)
-    # Dense [T, E] matrices from the slots (a zero-expert id has no column here: one_hot(.., E) drops it).
-    chosen = jax.nn.one_hot(routing.indices, E, dtype=jnp.float32)  # [T, K, E]
-    dense_in = jnp.einsum("tk,tke->te", in_scale, chosen)
-    dense_out = jnp.einsum("tk,tke->te", out_weight, chosen)
-    selected = chosen.sum(1) > 0  # [T, E]
 
-    def one_expert(w: ExpertWeights, scale: Array, weight: Array, mask: Array) -> Array:
-        inputs = x32 * scale[:, None] if cfg.weights_on_input else x32
-        y = expert_ffn(inputs, w, cfg)  # [T, H]
-        return jnp.where(mask[:, None], weight[:, None] * y, 0.0)
+    def one_expert(acc: Array, e: Array) -> tuple[Array, None]:
+        rows = x32 if slots.in_scale is None else x32 * scale[e][:, None]
+        y = experts.expert(e).dequantize().ffn(rows, act)  # [T, H]
+        return acc + jnp.where(selected[e][:, None], out_w[e][:, None] * y, 0.0), None
 
-    per_expert = jax.vmap(one_expert)(experts32, dense_in.T, dense_out.T, selected.T)  # [E, T, H]
-    return per_expert.sum(0)
+    out, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, jnp.float32), jnp.arange(E))
+    return out

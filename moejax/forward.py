@@ -1,16 +1,7 @@
 """`moe_forward`: route, run the routed experts through an implementation, add the zero-expert and shared terms.
 
-Implementations (`impl=`), resolved in one place (`resolve_impl`):
-  "reference"   dense float32: every expert on every token, masked. The oracle.
-  "xla_decode"  union-of-experts decode plan (T <= 8, T·K <= 64).
-  "xla_grouped" grouped plan over pairs sorted by expert (any T).
-  "xla"         xla_decode where it fits, else xla_grouped.
-  "pallas_decode", "pallas_grouped", "pallas"
-                the Pallas (Mosaic GPU) kernels, the same split as "xla"; on a CPU backend they run in interpret
-                mode (slow, for tests). An explicit opt-in until validated on the GPU in use.
-  "auto"        "pallas" on a GPU for each kernel that `pallas_kernels/validated.json` lists as validated on this
-                device kind and JAX version, else "xla"; a config a kernel cannot serve (NotImplementedError)
-                falls back to "xla".
+The implementation of the routed experts is chosen by `impl=` in `moejax.backends` (the registry, with the
+list of implementations and the order `"auto"` tries them in).
 """
 
 from __future__ import annotations
@@ -21,72 +12,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-import pallas_kernels
+from moejax.backends import IMPLS, resolve_impl, run_routed
 from moejax.config import MoEConfig, ScalingTarget
-from moejax.experts import reference_routed, shared_expert_ffn
-from moejax.kernel_plans import pallas_decode, pallas_grouped
-from moejax.params import ExpertWeights, MoEParams, SharedParams, check_params
-from moejax.plans import decode_fits, decode_plan, grouped_plan
+from moejax.experts import expert_activation, shared_expert_ffn, slots_from_routing
+from moejax.params import MoEParams, SharedParams, check_params
 from moejax.routing import Routing, rms_normalize, route, router_logits
 
 Array = jax.Array
-RoutedImpl = Callable[[ExpertWeights, Array, Routing, MoEConfig], Array]
-
-_ROUTED_IMPLS: dict[str, RoutedImpl] = {
-    "reference": reference_routed,
-    "xla_decode": decode_plan,
-    "xla_grouped": grouped_plan,
-    "pallas_decode": pallas_decode,
-    "pallas_grouped": pallas_grouped,
-}
-IMPLS = ("auto", "xla", "pallas", *_ROUTED_IMPLS)
-# Each kernel implementation: the pallas_kernels kernel it runs, and the XLA plan that replaces it under "auto".
-_KERNELS = {"pallas_decode": ("moe_decode", "xla_decode"), "pallas_grouped": ("moe_grouped", "xla_grouped")}
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-def resolve_impl(impl: str, num_rows: int, cfg: MoEConfig) -> str:
-    """The concrete routed-expert implementation for `impl` at `num_rows` rows (static: shapes only)."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
-    fits = decode_fits(num_rows, cfg.top_k)
-    if impl == "xla":
-        return "xla_decode" if fits else "xla_grouped"
-    if impl == "pallas":
-        return "pallas_decode" if fits else "pallas_grouped"
-    if impl == "auto":
-        kernel = "pallas_decode" if fits else "pallas_grouped"
-        return kernel if kernel_validated(kernel) else _KERNELS[kernel][1]
-    if impl in ("xla_decode", "pallas_decode") and not fits:
-        raise ValueError(f"impl={impl!r} serves at most 8 rows and 64 slots, got T={num_rows}, K={cfg.top_k}")
-    return impl
-
-
-def kernel_validated(impl: str) -> bool:
-    """Whether kernel implementation `impl` may run by default: on a GPU backend, and listed in
-    `pallas_kernels/validated.json` for this device kind and JAX version (checked by benchmarks/gpu_bench.py)."""
-    if jax.default_backend() != "gpu":
-        return False
-    device_kind = jax.devices()[0].device_kind
-    return pallas_kernels.is_validated(_KERNELS[impl][0], device_kind, jax.__version__)
-
-
-def routed_implementation(impl: str, num_rows: int, cfg: MoEConfig) -> RoutedImpl:
-    """The routed-expert function for `impl`; under "auto" a kernel that raises `NotImplementedError` for this
-    config (at trace time) is replaced by its XLA plan."""
-    name = resolve_impl(impl, num_rows, cfg)
-    routed = _ROUTED_IMPLS[name]
-    if impl != "auto" or name not in _KERNELS:
-        return routed
-    fallback = _ROUTED_IMPLS[_KERNELS[name][1]]
-
-    def kernel_or_fallback(experts: ExpertWeights, x: Array, routing: Routing, cfg: MoEConfig) -> Array:
-        try:
-            return routed(experts, x, routing, cfg)
-        except NotImplementedError:
-            return fallback(experts, x, routing, cfg)
-
-    return kernel_or_fallback
+__all__ = ["IMPLS", "checked_moe_forward", "chosen_impl", "moe_forward"]
 
 
 def check_inputs(params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array | None) -> None:
@@ -119,15 +53,29 @@ def moe_forward(
     """The MoE block: `x [..., H]` -> `[..., H]` in x's dtype. Pure and jit-able (`cfg`, `impl` static).
 
     1. Route (`moejax.route`).  2. Routed sum `Σ_k w_k·E_k(x_e)` (x_e = x, or Gemma-4's expert pre-norm) by
-    `impl`, float32.  3. `× routed_scaling_factor` when it scales the output (Step-3.7).  4. `+ Σ zero-expert
-    weights · x_e` (LongCat).  5. `+ shared(x_e)`, sigmoid-gated where the family gates it.  6. Cast to x's dtype.
+    `impl` (`moejax.backends`), float32.  3. `× routed_scaling_factor` when it scales the output (Step-3.7).
+    4. `+ Σ zero-expert weights · x_e` (LongCat).  5. `+ shared(x_e)`, sigmoid-gated where the family gates it.
+    6. Cast to x's dtype. The routed experts may be in either layout (`moejax.weights`): stacked or per-expert.
     """
     check_inputs(params, x, cfg, token_ids)
     flat = x.reshape(-1, cfg.hidden_size)  # [T, H]
     routing = route(params, flat, cfg, token_ids)
-    routed_impl = routed_implementation(impl, flat.shape[0], cfg)
-    out = combine(params, flat, routing, cfg, routed_impl)
+    x_e = expert_input(params, flat, cfg)
+    routed = run_routed(impl, params.experts, x_e, slots_from_routing(routing, cfg), expert_activation(cfg))
+    out = add_once_terms(routed, x_e, routing, params.shared, cfg, float32=impl == "reference")
     return out.astype(x.dtype).reshape(x.shape)
+
+
+def chosen_impl(params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array | None = None, impl: str = "auto") -> str:
+    """The routed-expert backend `moe_forward(params, x, cfg, token_ids, impl)` runs (traced abstractly: nothing
+    is computed; params and x may be `jax.ShapeDtypeStruct`s)."""
+
+    def inputs(params, x, token_ids):
+        flat = x.reshape(-1, cfg.hidden_size)
+        return expert_input(params, flat, cfg), slots_from_routing(route(params, flat, cfg, token_ids), cfg)
+
+    x_e, slots = jax.eval_shape(inputs, params, x, token_ids)
+    return resolve_impl(impl, params.experts, x_e, slots, expert_activation(cfg))
 
 
 def expert_input(params: MoEParams, x: Array, cfg: MoEConfig) -> Array:
@@ -138,15 +86,6 @@ def expert_input(params: MoEParams, x: Array, cfg: MoEConfig) -> Array:
     return (xf * params.expert_norm.astype(jnp.float32)).astype(x.dtype)
 
 
-def combine(params: MoEParams, x: Array, routing: Routing, cfg: MoEConfig, routed_impl: RoutedImpl) -> Array:
-    """Steps 2-5 of `moe_forward` on flat `x [T, H]`; float32 `[T, H]`."""
-    x_e = expert_input(params, x, cfg)
-    reference = routed_impl is reference_routed
-    experts = jax.tree.map(lambda w: w.astype(jnp.float32), params.experts) if reference else params.experts
-    routed = routed_impl(experts, x_e, routing, cfg)
-    return add_once_terms(routed, x_e, routing, params.shared, cfg, reference=reference)
-
-
 def add_once_terms(
     routed: Array,
     x_e: Array,
@@ -154,14 +93,15 @@ def add_once_terms(
     shared: SharedParams | None,
     cfg: MoEConfig,
     *,
-    reference: bool = False,
+    float32: bool = False,
     reduce_shared: Callable[[Array], Array] | None = None,
 ) -> Array:
     """Steps 3-5 of `moe_forward`: the terms added exactly once to the (fully reduced) routed sum `[T, H]`.
 
-    Output scaling (Step-3.7), `+ zero_weight · x_e` (LongCat), `+ shared(x_e)` with its sigmoid gate.
-    `reduce_shared` reduces the shared expert's partial sums when its intermediate axis is split (expert
-    parallelism passes a psum; the gate multiplies each partial, exact because the reduction is linear).
+    Output scaling (Step-3.7), `+ zero_weight · x_e` (LongCat), `+ shared(x_e)` with its sigmoid gate (in float32
+    with `float32=True`, the reference). `reduce_shared` reduces the shared expert's partial sums when its
+    intermediate axis is split (expert parallelism passes a psum; the gate multiplies each partial, exact because
+    the reduction is linear).
     """
     out = routed
     if cfg.scaling_target is ScalingTarget.OUTPUT and cfg.routed_scaling_factor != 1.0:
@@ -169,9 +109,7 @@ def add_once_terms(
     if routing.zero_weight is not None:
         out = out + routing.zero_weight[:, None] * x_e.astype(jnp.float32)
     if shared is not None:
-        if reference:
-            shared = jax.tree.map(lambda w: w.astype(jnp.float32), shared)
-        y = shared_expert_ffn(x_e, shared, cfg)  # [T, H]
+        y = shared_expert_ffn(x_e, shared, cfg, float32=float32)  # [T, H]
         out = out + (y if reduce_shared is None else reduce_shared(y))
     return out
 

@@ -33,7 +33,8 @@ import ml_dtypes
 import numpy as np
 
 from moejax.config import Activation, ClampOrder, MoEConfig, ScalingTarget, ScoreOrder, Scoring, SharedExpert
-from moejax.params import MoEParams, check_params, flatten, unflatten
+from moejax.params import MoEParams, check_params, flatten, unflatten, with_experts_layout
+from moejax.weights import ExpertWeights, Layout, from_host
 
 # -------------------------------------------------------------------------------------------------------------
 # Config
@@ -772,7 +773,7 @@ def _ignored(cfg: MoEConfig, kind: str) -> tuple[str, ...]:
     return ignored
 
 
-def params_from_hf(state_dict: Mapping[str, Any], cfg: MoEConfig) -> MoEParams:
+def params_from_hf(state_dict: Mapping[str, Any], cfg: MoEConfig, *, layout: Layout = "auto") -> MoEParams:
     """Convert the Hugging Face tensors of one MoE block into `MoEParams` (moejax's layout, dtypes kept).
 
     Args:
@@ -783,6 +784,8 @@ def params_from_hf(state_dict: Mapping[str, Any], cfg: MoEConfig) -> MoEParams:
         (or `w1/w3/w2`; with `.bias` for gpt-oss), Step-3.7's stacked `moe.*`, and gpt-oss's MXFP4 blocks
         (dequantized to bfloat16).
       cfg: the block's config, e.g. from `config_from_hf`; it picks the key scheme (module docstring).
+      layout: the routed experts' layout (`moejax.weights`): "auto" is per-expert on a CPU backend (what
+        XLA:CPU reads in place), stacked elsewhere.
     Returns:
       `MoEParams` with weights `[in, out]`, gate and up apart. Arrays keep their dtype, except the correction
       bias (float32), the hash table (int32) and MXFP4 experts (bfloat16).
@@ -801,7 +804,9 @@ def params_from_hf(state_dict: Mapping[str, Any], cfg: MoEConfig) -> MoEParams:
     if cfg.expert_prenorm:
         flat["expert_norm"] = sd.take("pre_feedforward_layernorm_2.weight", (cfg.hidden_size,))
     sd.check_all_used(_ignored(cfg, kind), cfg)
-    params = unflatten({name: jnp.asarray(value) for name, value in flat.items()})
+    expert_fields = {name[len("experts.") :]: flat.pop(name) for name in list(flat) if name.startswith("experts.")}
+    experts = from_host(expert_fields, ExpertWeights, layout)
+    params = unflatten({name: jnp.asarray(value) for name, value in flat.items()}, experts=experts)
     check_params(params, cfg)
     return params
 
@@ -818,7 +823,7 @@ def params_to_hf(params: MoEParams, cfg: MoEConfig, layout: str = "fused") -> di
     if layout not in ("fused", "per_expert"):
         raise ValueError(f"layout={layout!r} is not one of ['fused', 'per_expert']")
     check_params(params, cfg)
-    flat = {name: np.asarray(value) for name, value in flatten(params).items()}
+    flat = {name: np.asarray(value) for name, value in flatten(with_experts_layout(params, "stacked")).items()}
     kind = _layout_kind(cfg, ())
     hf = {_ROUTER_KEYS[kind]: flat["router.kernel"].T}
     names = {
@@ -949,7 +954,9 @@ def _read_file(path: str, keys: list[str]) -> dict[str, np.ndarray]:
     return tensors
 
 
-def load_safetensors(files: str | os.PathLike | Iterable[str | os.PathLike], cfg: MoEConfig, prefix: str) -> MoEParams:
+def load_safetensors(
+    files: str | os.PathLike | Iterable[str | os.PathLike], cfg: MoEConfig, prefix: str, *, layout: Layout = "auto"
+) -> MoEParams:
     """Load one MoE block from a (sharded) safetensors checkpoint.
 
     Args:
@@ -970,4 +977,4 @@ def load_safetensors(files: str | os.PathLike | Iterable[str | os.PathLike], cfg
     tensors: dict[str, np.ndarray] = {}
     for path, keys in by_file.items():
         tensors |= _read_file(path, keys)
-    return params_from_hf({key[len(prefix) :]: value for key, value in tensors.items()}, cfg)
+    return params_from_hf({key[len(prefix) :]: value for key, value in tensors.items()}, cfg, layout=layout)

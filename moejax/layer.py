@@ -1,9 +1,10 @@
 """`MoE`: the flax.nnx module over the functional core. It owns the parameters and calls `moe_forward`.
 
-Trainable weights are `nnx.Param` carrying logical sharding names (`expert`, `embed`, `mlp`; see
-`moejax.params.LOGICAL_AXES`); the correction bias and the hash table are `MoEBuffer` variables (not trainable,
-not touched by an optimizer that filters on `nnx.Param`). Attribute paths mirror `MoEParams`:
-`layer.router.kernel`, `layer.experts.gate`, `layer.shared.down`, `layer.expert_norm`.
+Trainable weights are `nnx.Param` carrying logical sharding names (`expert`, `embed`, `mlp`; from the arrays'
+declaration, `moejax.params.param_specs`); the correction bias and the hash table are `MoEBuffer` variables (not
+trainable, not touched by an optimizer that filters on `nnx.Param`). Attribute paths mirror `MoEParams`:
+`layer.router.kernel`, `layer.experts.gate` (stacked layout) or `layer.experts[e].gate` (per-expert layout, the
+default on a CPU backend, see `moejax.weights`), `layer.shared.down`, `layer.expert_norm`.
 
 Under a mesh (`MoE(cfg, rngs=..., mesh=mesh)`), the parameters are created already sharded: their
 `PartitionSpec`s come from the Params' logical sharding names through `moejax.parallel.logical_axis_rules`, and
@@ -13,6 +14,9 @@ has the expert axis, a call runs `moejax.parallel.moe_forward_ep`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -20,7 +24,8 @@ from flax import nnx
 from moejax import parallel
 from moejax.config import MoEConfig
 from moejax.forward import moe_forward
-from moejax.params import BUFFERS, LOGICAL_AXES, MoEParams, flatten, init_params, unflatten
+from moejax.params import BUFFERS, MoEParams, check_params, flatten, init_params, specs_of, unflatten
+from moejax.weights import LAYOUTS, ExpertFormat, ExpertWeights, Layout, default_layout, format_of, to_layout
 
 Array = jax.Array
 
@@ -45,6 +50,8 @@ class MoE(nnx.Module):
         intermediate dims over `tensor_axis`, the rest replicated); with `expert_axis` in the mesh, calls run
         expert-parallel (`moejax.parallel.moe_forward_ep`), else `moe_forward` on the replicated parameters.
       expert_axis, tensor_axis, ep_mode: the mesh axes and the mode ("replicated" | "all_to_all") of the EP call.
+      fmt: the routed experts' weight format (`moejax.weights`), dense by default.
+      layout: "auto" (per-expert on a CPU backend without a mesh, else stacked), "stacked" or "per_expert".
 
     `layer(x, token_ids=None)` maps `x [..., H]` to `[..., H]` in x's dtype; works under `nnx.jit`.
     """
@@ -60,15 +67,21 @@ class MoE(nnx.Module):
         expert_axis: str = "expert",
         tensor_axis: str | None = None,
         ep_mode: parallel.EPMode = "replicated",
+        fmt: type[ExpertFormat] = ExpertWeights,
+        layout: Layout = "auto",
     ):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
         self.cfg = cfg
         self.impl = impl
         self.mesh = mesh
         self.expert_axis = expert_axis if mesh is not None and expert_axis in mesh.shape else None
         self.tensor_axis = tensor_axis
         self.ep_mode = ep_mode
+        self.fmt = fmt
+        self.layout = "stacked" if mesh is not None else (default_layout() if layout == "auto" else layout)
         if mesh is None:
-            self.load_params(init_params(cfg, rngs.params(), param_dtype))
+            self.load_params(init_params(cfg, rngs.params(), param_dtype, fmt=fmt, layout=self.layout))
             return
         if ep_mode not in parallel.EP_MODES:
             raise ValueError(f"ep_mode={ep_mode!r} is not one of {parallel.EP_MODES}")
@@ -82,7 +95,9 @@ class MoE(nnx.Module):
     def _init_sharded(self, key: Array, param_dtype: jnp.dtype) -> MoEParams:
         """`init_params` jitted with the sharding of every parameter as output sharding: XLA partitions the
         random generation, so no device ever holds the full (unsharded) weights."""
-        abstract = nnx.eval_shape(lambda: MoE(self.cfg, rngs=nnx.Rngs(params=key), param_dtype=param_dtype))
+        abstract = nnx.eval_shape(
+            lambda: MoE(self.cfg, rngs=nnx.Rngs(params=key), param_dtype=param_dtype, fmt=self.fmt, layout="stacked")
+        )
         with nnx.logical_axis_rules(parallel.logical_axis_rules(self.expert_axis, self.tensor_axis)):
             specs = nnx.get_partition_spec(nnx.state(abstract))
         shardings = {}
@@ -91,36 +106,54 @@ class MoE(nnx.Module):
             # The router runs on every device (Gemma-4's per-expert scale too, logically `expert`): replicated.
             spec = jax.sharding.PartitionSpec() if parallel.runs_replicated(name) else spec.get_value()
             shardings[name] = jax.sharding.NamedSharding(self.mesh, spec)
-        init = jax.jit(init_params, static_argnums=(0, 2), out_shardings=unflatten(shardings))
-        return init(self.cfg, key, param_dtype)
+        init = jax.jit(
+            functools.partial(init_params, self.cfg, dtype=param_dtype, fmt=self.fmt, layout="stacked"),
+            out_shardings=unflatten(shardings, self.fmt),
+        )
+        return init(key)
 
     def load_params(self, params: MoEParams) -> None:
         """Replace every variable by `params` (e.g. from `moejax.hf.params_from_hf`), keeping the metadata.
 
-        Under a mesh the arrays are placed with `moejax.parallel.shard_params` (a no-op for placed ones).
+        `params` must fit the layer's config (checked at once). The routed experts are converted to the layer's
+        layout (a copy when they come in the other one); under a mesh the arrays are placed with
+        `moejax.parallel.shard_params` (a no-op for placed ones).
         """
+        check_params(params, self.cfg)
         if self.mesh is not None:
             params = parallel.shard_params(
                 params, self.cfg, self.mesh, expert_axis=self.expert_axis, tensor_axis=self.tensor_axis
             )
+        else:
+            params = dataclasses.replace(params, experts=to_layout(params.experts, self.layout))
+        self.fmt = format_of(params.experts)
+        specs = specs_of(params, self.cfg)
         groups: dict[str, _Group] = {}
         for name, value in flatten(params).items():
             group, _, field = name.rpartition(".")
             if name in BUFFERS:
                 variable = MoEBuffer(value)
             else:
-                variable = nnx.Param(value, out_sharding=LOGICAL_AXES[name], eager_sharding=False)
+                variable = nnx.Param(value, out_sharding=specs[name].axes, eager_sharding=False)
             owner = self if not group else groups.setdefault(group, _Group())
             setattr(owner, field, variable)
-        for group in ("router", "experts", "shared"):
+        for group in ("router", "shared"):
             setattr(self, group, groups.get(group))
+        if self.layout == "per_expert":
+            self.experts = nnx.List([groups[f"experts.{e}"] for e in range(self.cfg.num_experts)])
+        else:
+            self.experts = groups["experts"]
 
     @property
     def params(self) -> MoEParams:
         """The current variables as the `MoEParams` pytree `moe_forward` takes."""
+        holders = {"router": self.router, "shared": self.shared}
+        if self.layout == "per_expert":
+            holders |= {f"experts.{e}": part for e, part in enumerate(self.experts)}
+        else:
+            holders["experts"] = self.experts
         flat = {}
-        for group in ("router", "experts", "shared"):
-            holder = getattr(self, group)
+        for group, holder in holders.items():
             if holder is None:
                 continue
             for field, variable in vars(holder).items():
@@ -129,7 +162,7 @@ class MoE(nnx.Module):
         expert_norm = getattr(self, "expert_norm", None)
         if isinstance(expert_norm, nnx.Variable):
             flat["expert_norm"] = expert_norm[...]
-        return unflatten(flat)
+        return unflatten(flat, self.fmt)
 
     def __call__(self, x: Array, token_ids: Array | None = None) -> Array:
         if self.expert_axis is None:

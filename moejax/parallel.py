@@ -31,6 +31,14 @@ Two modes of `moe_forward_ep`:
 
 Only the rows a token needs are filled, compacted at the front of each block, so a ragged all-to-all
 (`jax.lax.ragged_all_to_all`, GPU only) can later send just those rows; on CPU the static buffer moves whole.
+
+Expert placement (`placement=`, a `moejax.placement.Placement`; optional in `shard_params` and `moe_forward_ep`):
+the experts are laid out by physical slot instead, `[S, ...]` (hot experts replicated; device d holds slots
+`[d·S/n, (d+1)·S/n)`; E need not divide by n), and right after routing, in either mode, each (token, slot) pair's
+logical expert is replaced by one of its replicas (`Placement.physical_ids`: replica `t mod count` for the
+token's global row t). Everything after runs unchanged on slot ids. Each pair meets the same expert weights with
+the same routing weight, so the result equals the unplaced forward up to the order in which a token's per-device
+partial sums are added (its slots fall on other devices).
 """
 
 from __future__ import annotations
@@ -47,11 +55,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moejax.backends import run_routed
 from moejax.config import MoEConfig, SharedExpert
-from moejax.forward import add_once_terms, check_inputs, expert_input, resolve_impl, routed_implementation
-from moejax.params import LOGICAL_AXES, ExpertWeights, MoEParams, SharedParams, expected_shapes, unflatten
-from moejax.plans import grouped_block_rows, grouped_plan
+from moejax.experts import Slots, expert_activation, slots_from_routing
+from moejax.forward import add_once_terms, check_inputs, expert_input
+from moejax.params import MoEParams, SharedParams, unflatten, with_experts_layout
+from moejax.params import param_specs as array_specs
+from moejax.placement import Placement
+from moejax.plans import grouped_block_rows
 from moejax.routing import Routing, route
+from moejax.weights import ExpertFormat, Experts, ExpertWeights, PerExpert, format_of
 
 Array = jax.Array
 EPMode = Literal["replicated", "all_to_all"]
@@ -98,6 +111,7 @@ class EPStats:
     remote_pairs: Array  # [n] int32 pairs of this device's tokens computed on another device
     remote_rows: Array  # [n] int32 token rows this device sends to other devices (what a ragged all-to-all moves)
     expert_load: Array  # [E] int32 pairs routed to each expert (zero-computation experts left out)
+    device_load: Array  # [n] int32 pairs computed on each device (follows the placement, when one is given)
 
 
 # -- layout -------------------------------------------------------------------------------------------------
@@ -115,18 +129,33 @@ def runs_replicated(name: str) -> bool:
     return not name.startswith(("experts.", "shared."))
 
 
-def param_specs(cfg: MoEConfig, *, expert_axis: str = "expert", tensor_axis: str | None = None) -> MoEParams:
-    """The `PartitionSpec` of every parameter of `cfg`, as a `MoEParams` pytree (the `shard_map` in_specs)."""
+def param_specs(
+    cfg: MoEConfig,
+    *,
+    expert_axis: str | None = "expert",
+    tensor_axis: str | None = None,
+    fmt: type[ExpertFormat] = ExpertWeights,
+) -> MoEParams:
+    """The `PartitionSpec` of every parameter of `cfg` (experts stacked in format `fmt`), as a `MoEParams` pytree
+    (the `shard_map` in_specs), from the logical axes of `moejax.params.param_specs`."""
     rules = dict(logical_axis_rules(expert_axis, tensor_axis))
     specs = {
-        name: P() if runs_replicated(name) else P(*(rules[a] if a else None for a in LOGICAL_AXES[name]))
-        for name in expected_shapes(cfg)
+        name: P() if runs_replicated(name) else P(*(rules[a] if a else None for a in spec.axes))
+        for name, spec in array_specs(cfg, fmt).items()
     }
-    return unflatten(specs)
+    return unflatten(specs, fmt)
 
 
-def check_mesh(cfg: MoEConfig, mesh: Mesh, expert_axis: str | None, tensor_axis: str | None = None) -> None:
-    """`ValueError` when the mesh lacks an axis or an axis does not divide the dimension it splits."""
+def check_mesh(
+    cfg: MoEConfig,
+    mesh: Mesh,
+    expert_axis: str | None,
+    tensor_axis: str | None = None,
+    *,
+    placement: Placement | None = None,
+) -> None:
+    """`ValueError` when the mesh lacks an axis or an axis does not divide the dimension it splits, or when
+    `placement` does not fit the config (E) and the expert axis (n) (with a placement, E need not divide by n)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     for role, axis in (("expert_axis", expert_axis), ("tensor_axis", tensor_axis)):
@@ -135,7 +164,18 @@ def check_mesh(cfg: MoEConfig, mesh: Mesh, expert_axis: str | None, tensor_axis:
     if tensor_axis is not None and tensor_axis == expert_axis:
         raise ValueError(f"tensor_axis and expert_axis must differ, both are {expert_axis!r}")
     n = 1 if expert_axis is None else mesh.shape[expert_axis]
-    if cfg.num_experts % n:
+    if placement is not None:
+        if not isinstance(placement, Placement):
+            raise TypeError(f"placement must be a moejax.placement.Placement, got {type(placement).__name__}")
+        if expert_axis is None:
+            raise ValueError("placement needs an expert_axis to place the experts over, got expert_axis=None")
+        if placement.num_experts != cfg.num_experts:
+            raise ValueError(f"placement.num_experts={placement.num_experts} != num_experts E={cfg.num_experts}")
+        if placement.num_devices != n:
+            raise ValueError(
+                f"placement.num_devices={placement.num_devices} != the size {n} of expert axis {expert_axis!r}"
+            )
+    elif cfg.num_experts % n:
         raise ValueError(
             f"num_experts E={cfg.num_experts} is not divisible by the size {n} of expert axis {expert_axis!r}"
         )
@@ -154,20 +194,34 @@ def shard_params(
     *,
     expert_axis: str | None = "expert",
     tensor_axis: str | None = None,
+    placement: Placement | None = None,
 ) -> MoEParams:
     """Place `params` on `mesh`: experts split over `expert_axis` (and I over `tensor_axis`), the rest replicated.
 
-    `expert_axis=None` replicates the experts too (a mesh used for other axes only).
+    `expert_axis=None` replicates the experts too (a mesh used for other axes only). With a `placement`, the
+    experts `[E, ...]` (in logical order, as loaded) are first gathered into slot order `[S, ...]`
+    (`experts[placement.slot_expert]`: a replicated expert's weights are copied to each of its slots), the
+    layout `moe_forward_ep(..., placement=placement)` takes.
 
     Works across processes (multi-host): every process passes the same full values (e.g. host numpy arrays
     or its own copy) and keeps only the shards of its own devices.
 
     Raises:
       ValueError: E is not divisible by the expert-axis size (the message names both), I or Is not divisible
-        by the tensor-axis size, or an axis is missing from the mesh.
+        by the tensor-axis size, an axis is missing from the mesh, or `placement` does not fit (E, n, or
+        experts that are not in logical order).
     """
-    check_mesh(cfg, mesh, expert_axis, tensor_axis)
-    specs = param_specs(cfg, expert_axis=expert_axis, tensor_axis=tensor_axis)
+    check_mesh(cfg, mesh, expert_axis, tensor_axis, placement=placement)
+    params = with_experts_layout(params, "stacked")  # the experts are split along their stacked E axis
+    if placement is not None:
+        if params.experts.num_experts != cfg.num_experts:
+            raise ValueError(
+                f"params.experts has {params.experts.num_experts} experts; shard_params(..., placement=) takes "
+                f"them in logical order, E={cfg.num_experts}"
+            )
+        slot_expert = np.asarray(placement.slot_expert)
+        params = dataclasses.replace(params, experts=jax.tree.map(lambda w: w[slot_expert], params.experts))
+    specs = param_specs(cfg, expert_axis=expert_axis, tensor_axis=tensor_axis, fmt=format_of(params.experts))
 
     def place(value, spec: P) -> Array:
         sharding = NamedSharding(mesh, spec)
@@ -183,41 +237,21 @@ def shard_params(
 # -- per-device pieces (run inside shard_map) ----------------------------------------------------------------
 
 
-def local_config(cfg: MoEConfig, num_local: int) -> MoEConfig:
-    """The expert math of `cfg` over `num_local` local experts, as the plans read it.
+def localize(slots: Slots, first: Array, num_local: int) -> Slots:
+    """Slots restricted to experts `[first, first + num_local)`, renumbered from 0.
 
-    The plans and kernels read `num_experts` (ids >= it are not computed), `weights_on_input`,
-    `hash_routing` and the activation fields; the selection fields, which they never read, are reset to values
-    valid at the local size.
+    Other slots (remote experts and zero-computation experts) get the id `num_local` and output weight 0: every
+    plan skips ids >= the number of experts it holds, so they are never computed or read.
     """
-    return cfg.replace(
-        num_experts=num_local,
-        num_zero_experts=0,
-        top_k=min(cfg.top_k, num_local),
-        n_group=1,
-        topk_group=1,
-    )
-
-
-def localize(routing: Routing, first: Array, num_local: int) -> Routing:
-    """Routing restricted to experts `[first, first + num_local)`, renumbered from 0.
-
-    Other slots (remote experts and zero-computation experts) get the id `num_local` and weight 0: the plans
-    treat ids >= the local expert count like zero-computation experts, so they are never computed or read.
-    """
-    local = routing.indices - first
+    local = slots.indices - first
     mine = (local >= 0) & (local < num_local)
-    return Routing(
-        indices=jnp.where(mine, local, num_local),
-        weights=jnp.where(mine, routing.weights, 0.0),
-        logits=routing.logits,
-    )
+    return Slots(jnp.where(mine, local, num_local), jnp.where(mine, slots.out_weight, 0.0), slots.in_scale)
 
 
 def partial_routed_sum(
-    experts: ExpertWeights,
+    experts: Experts,
     x_e: Array,
-    routing: Routing,
+    slots: Slots,
     cfg: MoEConfig,
     *,
     impl: str,
@@ -227,27 +261,20 @@ def partial_routed_sum(
     """This device's share of `Σ_k w_k·E_k(x_e)`: `[R, H]` float32 over the local experts (and I-slice).
 
     Args:
-      experts: the local experts `[E/n, H, I/tp]`.
+      experts: the local experts `[E/n, ...]` (stacked; a slice of I when `tensor_axis` splits it).
       x_e: `[R, H]` expert input.
-      routing: `[R, K]` in local ids (`localize`); ids >= E/n contribute nothing.
-      cfg: the global config.
-      impl: the routed implementation as `moe_forward` takes it, resolved here for R rows.
+      slots: `[R, K]` in local ids (`localize`); ids >= E/n contribute nothing.
+      cfg: the global config (the activation and the global expert count).
+      impl: the routed implementation as `moe_forward` takes it.
       num_pairs: the global number of (token, slot) pairs; sizes the grouped plan's blocks for the expected
         load per expert rather than for the R·K slots seen here, most of which are not local.
       tensor_axis: when I is split, the down-projection bias is added by tensor shard 0 only.
     """
-    if tensor_axis is not None and experts.down_bias is not None:
+    if tensor_axis is not None and getattr(experts, "down_bias", None) is not None:
         first_shard = jax.lax.axis_index(tensor_axis) == 0
         experts = dataclasses.replace(experts, down_bias=jnp.where(first_shard, experts.down_bias, 0))
-    local_cfg = local_config(cfg, experts.num_experts)
-    name = resolve_impl(impl, x_e.shape[0], cfg)
-    if name == "reference":
-        experts = jax.tree.map(lambda w: w.astype(jnp.float32), experts)
-    if name == "xla_grouped":
-        plan = functools.partial(grouped_plan, block_rows=grouped_block_rows(num_pairs, cfg.num_experts))
-    else:
-        plan = routed_implementation(impl, x_e.shape[0], cfg)
-    return plan(experts, x_e, routing, local_cfg)
+    block_rows = grouped_block_rows(num_pairs, cfg.num_experts)
+    return run_routed(impl, experts, x_e, slots, expert_activation(cfg), block_rows=block_rows)
 
 
 def add_once(
@@ -258,7 +285,7 @@ def add_once(
     cfg: MoEConfig,
     *,
     tensor_axis: str | None = None,
-    reference: bool = False,
+    float32: bool = False,
 ) -> Array:
     """The terms added exactly once, to the routed sum already reduced over the expert axis. `[T, H]` float32.
 
@@ -267,7 +294,7 @@ def add_once(
     each partial, which is exact because the reduction is linear.
     """
     reduce = None if tensor_axis is None else functools.partial(jax.lax.psum, axis_name=tensor_axis)
-    return add_once_terms(routed, x_e, routing, shared, cfg, reference=reference, reduce_shared=reduce)
+    return add_once_terms(routed, x_e, routing, shared, cfg, float32=float32, reduce_shared=reduce)
 
 
 def _expert_load(routing: Routing, cfg: MoEConfig, valid: Array | None = None) -> Array:
@@ -277,45 +304,59 @@ def _expert_load(routing: Routing, cfg: MoEConfig, valid: Array | None = None) -
     return jnp.bincount(jnp.minimum(ids.reshape(-1), E), length=E + 1)[:E].astype(jnp.int32)
 
 
-def _replicated_body(params, x, token_ids, *, cfg, impl, expert_axis, tensor_axis):
-    """Per device: all T tokens `x [T, H]`, local experts -> (`[T, H]` float32 replicated, stats pieces)."""
+def _replicated_body(params, x, token_ids, *, cfg, impl, expert_axis, tensor_axis, placement=None):
+    """Per device: all T tokens `x [T, H]`, local experts (or slots) -> (`[T, H]` float32 replicated, stats)."""
     T = x.shape[0]
     num_local = params.experts.num_experts
     me = jax.lax.axis_index(expert_axis)
     routing = route(params, x, cfg, token_ids)
     x_e = expert_input(params, x, cfg)
-    local = localize(routing, me * num_local, num_local)
+    slots = slots_from_routing(routing, cfg)
+    if placement is not None:  # each pair to one replica of its expert: physical slot ids from here on
+        slots = dataclasses.replace(slots, indices=placement.physical_ids(slots.indices, jnp.arange(T)))
+    local = localize(slots, me * num_local, num_local)
     partial = partial_routed_sum(
         params.experts, x_e, local, cfg, impl=impl, num_pairs=T * cfg.top_k, tensor_axis=tensor_axis
     )
     axes = expert_axis if tensor_axis is None else (expert_axis, tensor_axis)
     routed = jax.lax.psum(partial, axes)
-    out = add_once(routed, x_e, routing, params.shared, cfg, tensor_axis=tensor_axis, reference=impl == "reference")
+    out = add_once(routed, x_e, routing, params.shared, cfg, tensor_axis=tensor_axis, float32=impl == "reference")
     load = _expert_load(routing, cfg)
-    mine = jax.lax.dynamic_slice_in_dim(load, me * num_local, num_local).sum(keepdims=True)
+    if placement is None:
+        mine = jax.lax.dynamic_slice_in_dim(load, me * num_local, num_local).sum(keepdims=True)
+    else:
+        mine = (local.indices < num_local).sum(dtype=jnp.int32)[None]
     zero = jnp.zeros((1,), jnp.int32)
-    return out, EPStats(local_pairs=mine, remote_pairs=zero, remote_rows=zero, expert_load=load)
+    return out, EPStats(local_pairs=mine, remote_pairs=zero, remote_rows=zero, expert_load=load, device_load=mine)
 
 
-def _all_to_all_body(params, x, token_ids, *, cfg, impl, expert_axis, tensor_axis, num_tokens, n):
-    """Per device: its `x [T/n, H]` tokens; dispatch, compute, return, combine -> (`[T/n, H]` float32, stats)."""
+def _all_to_all_body(params, x, token_ids, *, cfg, impl, expert_axis, tensor_axis, num_tokens, n, placement=None):
+    """Per device: its `x [T/n, H]` tokens; dispatch, compute, return, combine -> (`[T/n, H]` float32, stats).
+
+    `num_local` is the number of experts (or, with a placement, slots) per device; `ids` the expert (or slot)
+    id of each pair."""
     T_l, H = x.shape
     K, E = cfg.top_k, cfg.num_experts
     num_local = params.experts.num_experts
     me = jax.lax.axis_index(expert_axis)
     routing = route(params, x, cfg, token_ids)  # [T_l, K]
     x_e = expert_input(params, x, cfg)  # [T_l, H]
-    valid = me * T_l + jnp.arange(T_l) < num_tokens  # [T_l] False on the padding rows
+    rows = me * T_l + jnp.arange(T_l)  # [T_l] global row index
+    valid = rows < num_tokens  # [T_l] False on the padding rows
     real = (routing.indices < E) & valid[:, None]  # [T_l, K] slots that need an expert
+    ids = routing.indices if placement is None else placement.physical_ids(routing.indices, rows)  # [T_l, K]
     devices = jnp.arange(n)
-    owner = jnp.where(real, routing.indices // num_local, n)  # [T_l, K]; n: nobody
+    owner = jnp.where(real, ids // num_local, n)  # [T_l, K]; n: nobody
     slot_on = owner[:, None, :] == devices[None, :, None]  # [T_l, n, K]
     needs = slot_on.any(-1)  # [T_l, n] token t has a slot on device d
     row = jnp.where(needs, jnp.cumsum(needs, axis=0) - 1, T_l)  # [T_l, n] its row in block d; T_l: not sent
 
     # Dispatch buffers [n, T_l, ...]: block d holds the rows for device d, compacted at the front.
-    local_ids = jnp.where(slot_on, routing.indices[:, None, :] - devices[None, :, None] * num_local, num_local)
-    local_w = jnp.where(slot_on, routing.weights[:, None, :], 0.0)  # [T_l, n, K]
+    local_ids = jnp.where(slot_on, ids[:, None, :] - devices[None, :, None] * num_local, num_local)
+    # One weight per slot travels: the input scale where the family scales inputs (Llama-4), else the output weight.
+    slots = slots_from_routing(routing, cfg)
+    weight = slots.out_weight if slots.in_scale is None else slots.in_scale
+    local_w = jnp.where(slot_on, weight[:, None, :], 0.0)  # [T_l, n, K]
     # Ids and weights travel in one int32 buffer (weights bitcast: integers are never flushed or rounded).
     meta = jnp.concatenate([local_ids, jax.lax.bitcast_convert_type(local_w, jnp.int32)], -1)  # [T_l, n, 2K]
     at = (devices[None, :], row)  # scatter index [T_l, n]; rows == T_l are dropped
@@ -327,11 +368,12 @@ def _all_to_all_body(params, x, token_ids, *, cfg, impl, expert_axis, tensor_axi
     recv_meta = jax.lax.all_to_all(send_meta, expert_axis, 0, 0)
     R = n * T_l
     recv_meta = recv_meta.reshape(R, 2 * K)
-    received = Routing(
-        indices=recv_meta[:, :K],
-        weights=jax.lax.bitcast_convert_type(recv_meta[:, K:], jnp.float32),
-        logits=jnp.zeros((R, 0), jnp.float32),  # the plans never read the logits
-    )
+    recv_ids = recv_meta[:, :K]
+    recv_w = jax.lax.bitcast_convert_type(recv_meta[:, K:], jnp.float32)
+    if slots.in_scale is None:
+        received = Slots(recv_ids, recv_w)
+    else:
+        received = Slots(recv_ids, (recv_ids < num_local).astype(jnp.float32), recv_w)
     partial = partial_routed_sum(
         params.experts,
         recv_x.reshape(R, H),
@@ -346,7 +388,7 @@ def _all_to_all_body(params, x, token_ids, *, cfg, impl, expert_axis, tensor_axi
     routed = jnp.where(needs[..., None], per_device, 0.0).sum(1)  # [T_l, H]
     if tensor_axis is not None:
         routed = jax.lax.psum(routed, tensor_axis)
-    out = add_once(routed, x_e, routing, params.shared, cfg, tensor_axis=tensor_axis, reference=impl == "reference")
+    out = add_once(routed, x_e, routing, params.shared, cfg, tensor_axis=tensor_axis, float32=impl == "reference")
 
     mine = owner == me
     local_pairs = mine.sum(dtype=jnp.int32)
@@ -355,6 +397,7 @@ def _all_to_all_body(params, x, token_ids, *, cfg, impl, expert_axis, tensor_axi
         remote_pairs=(real.sum(dtype=jnp.int32) - local_pairs)[None],
         remote_rows=(needs.sum(dtype=jnp.int32) - needs[:, me].sum(dtype=jnp.int32))[None],
         expert_load=jax.lax.psum(_expert_load(routing, cfg, valid), expert_axis),
+        device_load=(recv_ids < num_local).sum(dtype=jnp.int32)[None],
     )
     return out, stats
 
@@ -406,6 +449,22 @@ def communication_bytes(
 # -- public entry point ------------------------------------------------------------------------------------
 
 
+def _logical_view(params: MoEParams, cfg: MoEConfig, placement: Placement) -> MoEParams:
+    """`params` with experts laid out by `placement`'s S slots, seen as E experts (shapes only) for the checks of
+    `moe_forward`; `ValueError` when the experts are not S slots."""
+    experts = params.experts
+    if experts.num_experts != placement.num_slots:
+        raise ValueError(
+            f"params.experts has {experts.num_experts} experts, but placement has num_slots={placement.num_slots}: "
+            "lay the experts out with shard_params(..., placement=placement)"
+        )
+    E = cfg.num_experts
+    if isinstance(experts, PerExpert):
+        return dataclasses.replace(params, experts=PerExpert(experts.parts[:E]))
+    view = jax.tree.map(lambda w: jax.ShapeDtypeStruct((E, *w.shape[1:]), w.dtype), experts)
+    return dataclasses.replace(params, experts=view)
+
+
 def moe_forward_ep(
     params: MoEParams,
     x: Array,
@@ -418,11 +477,13 @@ def moe_forward_ep(
     token_ids: Array | None = None,
     impl: str = "auto",
     return_stats: bool = False,
+    placement: Placement | None = None,
 ) -> Array | tuple[Array, EPStats]:
     """`moejax.moe_forward` with the routed experts split over `expert_axis` of `mesh`. Jit-able.
 
     Args:
-      params: `MoEParams`, best placed by `shard_params` (other placements are resharded by XLA).
+      params: `MoEParams`, best placed by `shard_params` (other placements are resharded by XLA, and per-expert
+        experts are stacked on every call).
       x: `[..., H]` block input.
       cfg: the block's math (static).
       mesh: a mesh with `expert_axis` (and `tensor_axis`); may span several processes.
@@ -433,24 +494,35 @@ def moe_forward_ep(
       token_ids: `[...]` integer token ids (hash routing).
       impl: routed implementation as in `moe_forward` ("auto" picks the decode plan for at most 8 rows).
       return_stats: also return `EPStats`.
+      placement: a `moejax.placement.Placement` over the expert axis; `params` then hold the experts in its slot
+        order (`shard_params(..., placement=placement)`), and each pair runs on one replica of its expert (module
+        docstring). Static (hashable): a new placement compiles a new program.
     Returns:
       `[..., H]` in x's dtype (and `EPStats` when `return_stats`).
 
     Raises:
-      ValueError: unknown mode or impl, a mesh axis missing, E not divisible by the expert-axis size, or
-        the shape errors of `moe_forward`.
+      ValueError: unknown mode or impl, a mesh axis missing, E not divisible by the expert-axis size (without a
+        placement), a placement that does not fit, or the shape errors of `moe_forward`.
     """
     if mode not in EP_MODES:
         raise ValueError(f"mode={mode!r} is not one of {EP_MODES}")
-    check_mesh(cfg, mesh, expert_axis, tensor_axis)
-    check_inputs(params, x, cfg, token_ids)
+    check_mesh(cfg, mesh, expert_axis, tensor_axis, placement=placement)
+    if placement is None:
+        check_inputs(params, x, cfg, token_ids)
+    else:
+        check_inputs(_logical_view(params, cfg, placement), x, cfg, token_ids)
     n = mesh.shape[expert_axis]
     flat = x.reshape(-1, cfg.hidden_size)  # [T, H]
     tids = None if token_ids is None else token_ids.reshape(-1)
     T = flat.shape[0]
-    specs = param_specs(cfg, expert_axis=expert_axis, tensor_axis=tensor_axis)
+    params = with_experts_layout(params, "stacked")  # a copy for per-expert params: place them with shard_params
+    specs = param_specs(cfg, expert_axis=expert_axis, tensor_axis=tensor_axis, fmt=format_of(params.experts))
     stat_specs = EPStats(
-        local_pairs=P(expert_axis), remote_pairs=P(expert_axis), remote_rows=P(expert_axis), expert_load=P()
+        local_pairs=P(expert_axis),
+        remote_pairs=P(expert_axis),
+        remote_rows=P(expert_axis),
+        expert_load=P(),
+        device_load=P(expert_axis),
     )
     if mode == "replicated":
         body = functools.partial(
@@ -459,6 +531,7 @@ def moe_forward_ep(
             impl=impl,
             expert_axis=expert_axis,
             tensor_axis=tensor_axis,
+            placement=placement,
         )
         token_spec = P()
     else:
@@ -474,6 +547,7 @@ def moe_forward_ep(
             tensor_axis=tensor_axis,
             num_tokens=T,
             n=n,
+            placement=placement,
         )
         token_spec = P(expert_axis)
     fn = _shard_map(body, mesh, in_specs=(specs, token_spec, token_spec), out_specs=(token_spec, stat_specs))

@@ -1,23 +1,35 @@
-"""The parameter pytrees of an MoE block, their shapes, logical sharding axes and random initialisation.
+"""The parameter pytree of an MoE block (`MoEParams`), every array's shape, logical sharding axes and initialiser.
 
-One layout for every backend and every family, so a checkpoint never depends on the backend:
-weights are stored `[in, out]` (applied as `x @ W`), gate and up apart (so the intermediate axis I can be
-split over a tensor axis without separating a gate from its up), experts stacked on a leading E axis.
-`moejax.hf` converts the Hugging Face layouts (fused, transposed, interleaved) into this one.
-
-`ExpertWeights` is the one place a weight format lives: plans and kernels read an expert's matrices only
-through `ExpertWeights.expert(e)`, so a quantized format is added here and every plan reads it.
+Weights are stored `[in, out]` (applied as `x @ W`), gate and up apart (so the intermediate axis I can be split
+over a tensor axis without separating a gate from its up). `moejax.hf` converts the Hugging Face layouts (fused,
+transposed, interleaved) into this one. The routed experts (`MoEParams.experts`) are owned by `moejax.weights`:
+their format declares its arrays, and this module adds the router, the shared expert and the pre-norm around it.
+Every consumer (checks, init, flatten/unflatten, the nnx variables, `parallel.shard_params`, the loaders) reads
+`param_specs`, so a new weight format changes nothing here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
 from moejax.config import MoEConfig, SharedExpert
+from moejax.weights import (
+    ArraySpec,
+    ExpertFormat,
+    Experts,
+    ExpertWeights,
+    Layout,
+    PerExpert,
+    check_experts,
+    expert_fields,
+    format_of,
+    from_fields,
+    small_normal,
+    to_layout,
+)
 
 Array = jax.Array
 
@@ -35,27 +47,6 @@ class RouterParams:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ExpertWeights:
-    """Routed experts in dense format (float32 / bfloat16 / float16)."""
-
-    gate: Array  # [E, H, I]
-    up: Array  # [E, H, I]
-    down: Array  # [E, I, H]
-    gate_bias: Array | None = None  # [E, I]
-    up_bias: Array | None = None  # [E, I]
-    down_bias: Array | None = None  # [E, H]
-
-    @property
-    def num_experts(self) -> int:
-        return self.gate.shape[0]
-
-    def expert(self, e: Array | int) -> ExpertWeights:
-        """Expert `e`'s matrices (leading axis dropped); `e` may be traced. The single weight-read point."""
-        return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False), self)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
 class SharedParams:
     gate: Array  # [H, Is]
     up: Array  # [H, Is]
@@ -67,79 +58,97 @@ class SharedParams:
 @dataclasses.dataclass(frozen=True)
 class MoEParams:
     router: RouterParams
-    experts: ExpertWeights
+    experts: Experts  # an ExpertFormat (stacked [E, ...]) or PerExpert (the CPU layout)
     shared: SharedParams | None = None
     expert_norm: Array | None = None  # [H] weight of the experts' pre-norm (Gemma-4)
 
 
-# Logical axis names for sharding (flax.nnx `sharding` metadata and `moejax.parallel`).
-LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
-    "router.kernel": ("embed", None),
-    "router.bias": (None,),
-    "router.correction_bias": (None,),
-    "router.scale": ("embed",),
-    "router.per_expert_scale": ("expert",),
-    "router.tid2eid": (None, None),
-    "experts.gate": ("expert", "embed", "mlp"),
-    "experts.up": ("expert", "embed", "mlp"),
-    "experts.down": ("expert", "mlp", "embed"),
-    "experts.gate_bias": ("expert", "mlp"),
-    "experts.up_bias": ("expert", "mlp"),
-    "experts.down_bias": ("expert", "embed"),
-    "shared.gate": ("embed", "mlp"),
-    "shared.up": ("embed", "mlp"),
-    "shared.down": ("mlp", "embed"),
-    "shared.gate_kernel": ("embed", None),
-    "expert_norm": ("embed",),
-}
 BUFFERS = frozenset({"router.correction_bias", "router.tid2eid"})  # not trainable
 
 
-def expected_shapes(cfg: MoEConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter `cfg` needs, by dotted name, with its shape."""
-    H, E, N, I, K = cfg.hidden_size, cfg.num_experts, cfg.num_selectable, cfg.intermediate_size, cfg.top_k
-    shapes: dict[str, tuple[int, ...]] = {"router.kernel": (H, N)}
+def _ones_ish(key: Array, shape: tuple[int, ...], dtype) -> Array:
+    """`1 + N(0, 0.1²)`: scales that visibly change the output."""
+    return (1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _correction_bias(key: Array, shape: tuple[int, ...], dtype) -> Array:
+    return 0.1 * jax.random.normal(key, shape, jnp.float32)
+
+
+def _hash_table(num_selectable: int):
+    def init(key: Array, shape: tuple[int, ...], dtype) -> Array:
+        return jax.random.randint(key, shape, 0, num_selectable, dtype=jnp.int32)
+
+    return init
+
+
+def param_specs(
+    cfg: MoEConfig, fmt: type[ExpertFormat] = ExpertWeights, *, per_expert: bool = False
+) -> dict[str, ArraySpec]:
+    """Every array of `cfg`'s block by dotted name (`router.kernel`, `experts.gate`, `shared.down`, ...).
+
+    The routed experts come from `fmt.declare(cfg)`; with `per_expert`, as `experts.{e}.{field}` without the
+    expert axis. Shapes, logical axes, dtypes (None: the float parameter dtype) and initialisers in one table.
+    """
+    H, E, N, K = cfg.hidden_size, cfg.num_experts, cfg.num_selectable, cfg.top_k
+    specs = {"router.kernel": ArraySpec((H, N), ("embed", None))}
     if cfg.router_bias:
-        shapes["router.bias"] = (N,)
+        specs["router.bias"] = ArraySpec((N,), (None,), init=small_normal)
     if cfg.correction_bias:
-        shapes["router.correction_bias"] = (N,)
+        specs["router.correction_bias"] = ArraySpec((N,), (None,), "float32", _correction_bias)
     if cfg.router_prenorm:
-        shapes["router.scale"] = (H,)
+        specs["router.scale"] = ArraySpec((H,), ("embed",), init=_ones_ish)
     if cfg.per_expert_scale:
-        shapes["router.per_expert_scale"] = (E,)
+        specs["router.per_expert_scale"] = ArraySpec((E,), ("expert",), init=_ones_ish)
     if cfg.hash_routing:
-        shapes["router.tid2eid"] = (cfg.vocab_size, K)
-    shapes |= {"experts.gate": (E, H, I), "experts.up": (E, H, I), "experts.down": (E, I, H)}
-    if cfg.expert_bias:
-        shapes |= {"experts.gate_bias": (E, I), "experts.up_bias": (E, I), "experts.down_bias": (E, H)}
+        specs["router.tid2eid"] = ArraySpec((cfg.vocab_size, K), (None, None), "int32", _hash_table(N))
+    for name, spec in fmt.declare(cfg).items():
+        if per_expert:
+            one = dataclasses.replace(spec, shape=spec.shape[1:], axes=spec.axes[1:])
+            specs |= {f"experts.{e}.{name}": one for e in range(E)}
+        else:
+            specs[f"experts.{name}"] = spec
     if cfg.shared_expert is not SharedExpert.NONE:
         Is = cfg.shared_intermediate_size
-        shapes |= {"shared.gate": (H, Is), "shared.up": (H, Is), "shared.down": (Is, H)}
+        specs |= {
+            "shared.gate": ArraySpec((H, Is), ("embed", "mlp")),
+            "shared.up": ArraySpec((H, Is), ("embed", "mlp")),
+            "shared.down": ArraySpec((Is, H), ("mlp", "embed")),
+        }
         if cfg.shared_expert is SharedExpert.SIGMOID_GATED:
-            shapes["shared.gate_kernel"] = (H, 1)
+            specs["shared.gate_kernel"] = ArraySpec((H, 1), ("embed", None))
     if cfg.expert_prenorm:
-        shapes["expert_norm"] = (H,)
-    return shapes
+        specs["expert_norm"] = ArraySpec((H,), ("embed",), init=_ones_ish)
+    return specs
+
+
+def specs_of(params: MoEParams, cfg: MoEConfig) -> dict[str, ArraySpec]:
+    """`param_specs` for the format and layout `params` holds."""
+    return param_specs(cfg, format_of(params.experts), per_expert=isinstance(params.experts, PerExpert))
+
+
+def expected_shapes(cfg: MoEConfig, fmt: type[ExpertFormat] = ExpertWeights) -> dict[str, tuple[int, ...]]:
+    """Every parameter `cfg` needs (stacked layout), by dotted name, with its shape."""
+    return {name: spec.shape for name, spec in param_specs(cfg, fmt).items()}
 
 
 def flatten(params: MoEParams) -> dict[str, Array]:
-    """`MoEParams` -> {dotted name: array}, None fields left out."""
+    """`MoEParams` -> {dotted name: array}, None fields left out (per-expert weights as `experts.{e}.{field}`)."""
     flat = {}
-    for group in ("router", "experts", "shared"):
+    for group in ("router", "shared"):
         sub = getattr(params, group)
-        if sub is None:
-            continue
-        for f in dataclasses.fields(sub):
-            value = getattr(sub, f.name)
-            if value is not None:
-                flat[f"{group}.{f.name}"] = value
-    if params.expert_norm is not None:
-        flat["expert_norm"] = params.expert_norm
-    return flat
+        if sub is not None:
+            flat |= {f"{group}.{f.name}": getattr(sub, f.name) for f in dataclasses.fields(sub)}
+    flat |= {f"experts.{name}": value for name, value in expert_fields(params.experts).items()}
+    flat["expert_norm"] = params.expert_norm
+    return {name: value for name, value in flat.items() if value is not None}
 
 
-def unflatten(flat: dict[str, Array]) -> MoEParams:
-    """{dotted name: array} -> `MoEParams` (the inverse of `flatten`)."""
+def unflatten(
+    flat: dict[str, Array], fmt: type[ExpertFormat] = ExpertWeights, *, experts: Experts | None = None
+) -> MoEParams:
+    """{dotted name: array} -> `MoEParams` (the inverse of `flatten`); the experts in format `fmt`, or `experts`
+    as given (then `flat` holds the other arrays only)."""
     groups: dict[str, dict[str, Array]] = {"router": {}, "experts": {}, "shared": {}}
     for name, value in flat.items():
         if name == "expert_norm":
@@ -148,21 +157,19 @@ def unflatten(flat: dict[str, Array]) -> MoEParams:
         groups[group][field] = value
     return MoEParams(
         router=RouterParams(**groups["router"]),
-        experts=ExpertWeights(**groups["experts"]),
+        experts=from_fields(groups["experts"], fmt) if experts is None else experts,
         shared=SharedParams(**groups["shared"]) if groups["shared"] else None,
         expert_norm=flat.get("expert_norm"),
     )
 
 
 def check_params(params: MoEParams, cfg: MoEConfig) -> None:
-    """Raise `ValueError` naming the parameter, expected and actual shape, for any missing/extra/mis-shaped one.
-
-    Shape-only: safe on tracers, called by `moe_forward` at trace time.
-    """
+    """Raise `ValueError`/`TypeError` naming the parameter, expected and actual shape (or dtype), for any
+    missing, extra or mis-shaped one. Shape-only: safe on tracers, called by `moe_forward` at trace time."""
     if not isinstance(params, MoEParams):
         raise TypeError(f"params must be moejax.MoEParams, got {type(params).__name__}")
-    expected = expected_shapes(cfg)
-    actual = {name: tuple(jnp.shape(v)) for name, v in flatten(params).items()}
+    expected = {name: s.shape for name, s in param_specs(cfg).items() if not name.startswith("experts.")}
+    actual = {name: tuple(jnp.shape(v)) for name, v in flatten(params).items() if not name.startswith("experts.")}
     missing = sorted(set(expected) - set(actual))
     extra = sorted(set(actual) - set(expected))
     if missing:
@@ -175,29 +182,34 @@ def check_params(params: MoEParams, cfg: MoEConfig) -> None:
     tid2eid = params.router.tid2eid
     if tid2eid is not None and not jnp.issubdtype(tid2eid.dtype, jnp.integer):
         raise TypeError(f"params router.tid2eid must be an integer array, got dtype {tid2eid.dtype}")
+    check_experts(params.experts, cfg)
 
 
-def init_params(cfg: MoEConfig, key: Array, dtype: jnp.dtype = jnp.float32) -> MoEParams:
-    """Random parameters for experiments and tests, in `dtype` (buffers: correction bias float32, table int32).
+def with_experts_layout(params: MoEParams, layout: Layout = "auto") -> MoEParams:
+    """`params` with the routed experts in `layout` (see `moejax.weights.to_layout`); other arrays untouched."""
+    return dataclasses.replace(params, experts=to_layout(params.experts, layout))
+
+
+def init_params(
+    cfg: MoEConfig,
+    key: Array,
+    dtype: jnp.dtype = jnp.float32,
+    *,
+    fmt: type[ExpertFormat] = ExpertWeights,
+    layout: Layout = "auto",
+) -> MoEParams:
+    """Random parameters for experiments and tests, float arrays in `dtype` (buffers: float32 / int32).
 
     Matrices ~ N(0, 1/fan_in). Unlike a fresh Hugging Face model, the buffers and scales are random too
     (correction bias ~ N(0, 0.1²), scales ~ 1 + N(0, 0.1²), a random hash table) so that every routing feature
-    of the config changes the output.
+    of the config changes the output. The routed experts come in format `fmt` and `layout` ("auto": per-expert
+    on a CPU backend, where XLA reads them in place; stacked elsewhere).
     """
-    shapes = expected_shapes(cfg)
-    keys = dict(zip(shapes, jax.random.split(key, len(shapes)), strict=True))
-    flat = {}
-    for name, shape in shapes.items():
-        k = keys[name]
-        if name == "router.tid2eid":
-            flat[name] = jax.random.randint(k, shape, 0, cfg.num_selectable, dtype=jnp.int32)
-        elif name == "router.correction_bias":
-            flat[name] = 0.1 * jax.random.normal(k, shape, jnp.float32)
-        elif name in ("router.scale", "router.per_expert_scale", "expert_norm"):
-            flat[name] = (1.0 + 0.1 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
-        elif name.endswith("bias"):
-            flat[name] = (0.1 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
-        else:
-            fan_in = shape[-2]
-            flat[name] = (jax.random.normal(k, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
-    return unflatten(flat)
+    specs = {name: s for name, s in param_specs(cfg).items() if not name.startswith("experts.")}
+    key, experts_key = jax.random.split(key)
+    keys = jax.random.split(key, len(specs))
+    flat = {
+        name: spec.init(k, spec.shape, dtype if spec.dtype is None else spec.dtype)
+        for k, (name, spec) in zip(keys, specs.items(), strict=True)
+    }
+    return unflatten(flat, experts=to_layout(fmt.init(cfg, experts_key, dtype), layout))

@@ -1,9 +1,11 @@
 """Execution plans for the routed experts on the XLA path: union-of-experts decode and grouped prefill.
 
-Both compute `Σ_k w_k · E_{idx_k}(x)` as float32 `[T, H]`, read expert weights only through
-`ExpertWeights.expert(e)`, and combine each row over its own slots in slot order, so a row's output does not
-depend on the other rows of the batch (batch invariance). Neither sorts on the host or syncs: every shape is
-static, loop trip counts are device values.
+Both compute `Σ_k w_k · E_{idx_k}(s_k · x)` as float32 `[T, H]` from the narrow `Slots` (ids, input scales,
+output weights) and the `GatedActivation`. They read expert weights only through the format's `expert(e)` view
+(traced e, stacked layout; XLA:CPU copies such a slice before its dot, which is why the CPU backend uses
+`moejax.cpu_plans` on the per-expert layout). Each row is combined over its own slots in slot order, so a row's
+output does not depend on the other rows of the batch (batch invariance). Neither sorts on the host or syncs:
+every shape is static, loop trip counts are device values.
 
 Decode (T <= 8 rows, T·K <= 64 slots): weight reads dominate, so each expert chosen by any row is read once.
   1. Dedupe the T·K selected ids into the union with a pairwise comparison (no sort): a slot is a "first"
@@ -28,10 +30,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moejax.config import MoEConfig
-from moejax.experts import expert_ffn, slot_scales
-from moejax.params import ExpertWeights
-from moejax.routing import Routing
+from moejax.experts import Slots, combine_slots
+from moejax.weights import Experts, as_stacked
+from pallas_kernels.activations import GatedActivation
+from pallas_kernels.decode import union_of_experts
 
 Array = jax.Array
 
@@ -44,55 +46,28 @@ def decode_fits(num_rows: int, top_k: int) -> bool:
     return num_rows <= DECODE_MAX_ROWS and num_rows * top_k <= DECODE_MAX_SLOTS
 
 
-def union_of_experts(indices: Array, num_experts: int) -> tuple[Array, Array, Array]:
-    """Dedupe the selected ids of `indices [T, K]` on device, without sorting.
-
-    Returns:
-      union_ids `[T*K] int32`: the distinct real expert ids (< num_experts) in first-seen order, then zeros.
-      n_union `[] int32`: how many of them there are.
-      slot_position `[T, K] int32`: each slot's position in union_ids (0 for zero-computation experts).
-    """
-    T, K = indices.shape
-    ids = indices.reshape(-1)  # [M] M = T*K
-    M = ids.shape[0]
-    same = ids[:, None] == ids[None, :]  # [M, M]
-    earlier = jnp.tri(M, k=-1, dtype=bool)  # earlier[m, m'] = m' < m
-    is_first = (ids < num_experts) & ~jnp.any(same & earlier, axis=1)
-    position_if_first = jnp.cumsum(is_first) - 1
-    union_ids = jnp.zeros(M, jnp.int32).at[jnp.where(is_first, position_if_first, M)].set(ids, mode="drop")
-    first_of = jnp.argmax(same & is_first[None, :], axis=1)  # the first slot with my id
-    slot_position = jnp.where(ids < num_experts, position_if_first[first_of], 0).astype(jnp.int32)
-    return union_ids, jnp.sum(is_first, dtype=jnp.int32), slot_position.reshape(T, K)
-
-
-def decode_plan(experts: ExpertWeights, x: Array, routing: Routing, cfg: MoEConfig) -> Array:
+def decode_plan(experts: Experts, x: Array, slots: Slots, act: GatedActivation) -> Array:
     """Routed output `[T, H]` float32 reading each selected expert once (see the module docstring)."""
-    T, K = routing.indices.shape
+    experts = as_stacked(experts)
+    T, K = slots.indices.shape
     M = T * K
-    in_scale, out_weight = slot_scales(routing, cfg)
-    union_ids, n_union, slot_position = union_of_experts(routing.indices, cfg.num_experts)
-    if cfg.weights_on_input:
-        # Row t's input scale for union expert u (a row chooses an expert at most once in this form).
+    E = experts.num_experts
+    union_ids, n_union, slot_position = union_of_experts(slots.indices, E)
+    if slots.in_scale is not None:
+        # Row t's input scale for union expert u (summed over its slots that chose u).
         hit = slot_position[None] == jnp.arange(M)[:, None, None]  # [M, T, K]
-        hit &= (routing.indices < cfg.num_experts)[None]
-        row_scale = jnp.einsum("utk,tk->ut", hit.astype(jnp.float32), in_scale)  # [M, T]
+        hit &= (slots.indices < E)[None]
+        row_scale = jnp.einsum("utk,tk->ut", hit.astype(jnp.float32), slots.in_scale)  # [M, T]
 
     def one_union_expert(u: Array, outputs: Array) -> Array:
-        rows = x * row_scale[u][:, None] if cfg.weights_on_input else x
-        y = expert_ffn(rows, experts.expert(union_ids[u]), cfg)  # [T, H]
+        rows = x if slots.in_scale is None else x * row_scale[u][:, None]
+        y = experts.expert(union_ids[u]).ffn(rows, act)  # [T, H]
         return jax.lax.dynamic_update_index_in_dim(outputs, y, u, 0)
 
     outputs = jnp.zeros((M, T, x.shape[-1]), jnp.float32)  # [M, T, H]
     outputs = jax.lax.fori_loop(0, n_union, one_union_expert, outputs)
     per_slot = outputs[slot_position, jnp.arange(T)[:, None]]  # [T, K, H]
-    return combine_slots(per_slot, out_weight)
-
-
-def combine_slots(per_slot: Array, out_weight: Array) -> Array:
-    """`Σ_k w[t, k] · y[t, k]` `[T, K, H] -> [T, H]`; slots with weight 0 contribute exactly 0 (even if y is not
-    finite: those are unvisited or zero-expert slots)."""
-    weighted = jnp.where(out_weight[..., None] != 0, out_weight[..., None] * per_slot, 0.0)
-    return weighted.sum(1)
+    return combine_slots(per_slot, slots.out_weight)
 
 
 def grouped_block_rows(num_pairs: int, num_experts: int) -> int:
@@ -113,7 +88,7 @@ def block_classes(block_rows: int) -> tuple[int, ...]:
 
 
 def grouped_plan(
-    experts: ExpertWeights, x: Array, routing: Routing, cfg: MoEConfig, *, block_rows: int | None = None
+    experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows: int | None = None
 ) -> Array:
     """Routed output `[T, H]` float32 over pairs sorted by expert, in blocks (see the module docstring).
 
@@ -121,13 +96,13 @@ def grouped_plan(
     block of the smallest size in `block_classes(B)` that holds it: each expert's weights are read
     `ceil(n / B)` times, and at most a fraction of one block of rows is padding.
     """
-    T, K = routing.indices.shape
-    E, H, M = cfg.num_experts, x.shape[-1], T * K
+    experts = as_stacked(experts)
+    T, K = slots.indices.shape
+    E, H, M = experts.num_experts, x.shape[-1], T * K
     B = block_rows or grouped_block_rows(M, E)
     classes = jnp.array(block_classes(B), jnp.int32)
-    in_scale, out_weight = slot_scales(routing, cfg)
 
-    expert_of_pair = jnp.minimum(routing.indices.reshape(-1), E)  # [M]; zero experts -> E (sorted last)
+    expert_of_pair = jnp.minimum(slots.indices.reshape(-1), E)  # [M]; zero experts -> E (sorted last)
     order = jnp.argsort(expert_of_pair, stable=True)  # [M] pair at each sorted row
     counts = jnp.bincount(expert_of_pair, length=E + 1)[:E]  # [E]
     full_blocks, remainder = counts // B, counts % B
@@ -143,15 +118,15 @@ def grouped_plan(
     block_class = jnp.where(nth < full_blocks[block_expert], len(classes) - 1, tail_class[block_expert])
 
     pair_token = order // K  # [M] token of each sorted row
-    pair_scale = in_scale.reshape(-1)[order]  # [M]
+    pair_scale = None if slots.in_scale is None else slots.in_scale.reshape(-1)[order]  # [M]
 
     def block_of(rows_in_block: int):
         def run(b: Array) -> Array:
             rows = jnp.minimum(row_start[b] + jnp.arange(rows_in_block), M - 1)  # clamped padding rows
             xb = x[pair_token[rows]]  # [rows, H]
-            if cfg.weights_on_input:
+            if pair_scale is not None:
                 xb = xb * pair_scale[rows][:, None]
-            yb = expert_ffn(xb, experts.expert(block_expert[b]), cfg)  # [rows, H]
+            yb = experts.expert(block_expert[b]).ffn(xb, act)  # [rows, H]
             return jnp.pad(yb, ((0, B - rows_in_block), (0, 0)))  # [B, H]
 
         return run
@@ -166,4 +141,4 @@ def grouped_plan(
     sorted_out = jnp.zeros((M + B, H), jnp.float32)  # B spare rows: a last block never clamps its start
     sorted_out = jax.lax.fori_loop(0, jnp.sum(blocks), one_block, sorted_out)
     per_pair = jnp.zeros((M, H), jnp.float32).at[order].set(sorted_out[:M])  # un-sort
-    return combine_slots(per_pair.reshape(T, K, H), out_weight)
+    return combine_slots(per_pair.reshape(T, K, H), slots.out_weight)

@@ -10,7 +10,7 @@ from moejax.__main__ import main
 def test_demo_prints_routing(capsys):
     assert main(["demo", "--family", "longcat_flash", "--decode-rows", "3", "--prefill-rows", "24"]) == 0
     out = capsys.readouterr().out
-    assert "decode: T=3 plan=xla_decode" in out and "prefill: T=24 plan=xla_grouped" in out
+    assert "decode: T=3 plan=cpu_decode" in out and "prefill: T=24 plan=cpu_grouped" in out  # CPU default layout
     assert "union of selected experts" in out and "token 2: experts" in out
 
 

@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 
 import moejax
 from moejax import MoEConfig
-from moejax.params import flatten
+from moejax.params import flatten, with_experts_layout
 
 FAMILIES = moejax.FAMILIES
 T = 5  # tokens per test input (decode plan for impl="xla")
 VOCAB = 64  # rows of the DeepSeek-V4 hash table in the hash-routing case
-IMPLS = ("reference", "xla")
+IMPLS = ("reference", "xla", "cpu")  # "cpu" runs on the per-expert layout
 CASES = (*FAMILIES, "deepseek_v4_hash")
 TOL = 2e-5  # moejax float32 vs numpy float64, relative to max(1, max |out|)
 MIN_SEP = 1e-3  # an ablation must move the output by at least this (relative), i.e. >> TOL
@@ -39,7 +39,9 @@ def _moejax_jit(params, x, token_ids, cfg, impl):
 
 
 def _moejax(params, x, cfg, token_ids=None, impl="reference"):
-    """moejax's block output `[T, H]` and its `Routing`."""
+    """moejax's block output `[T, H]` and its `Routing` (the CPU plans on the per-expert layout of `params`)."""
+    if impl == "cpu":
+        params = with_experts_layout(params, "per_expert")
     return _moejax_jit(params, x, token_ids, cfg=cfg, impl=impl)
 
 
@@ -455,7 +457,7 @@ def _np_params(params) -> dict[str, np.ndarray]:
 def _inputs(cfg: MoEConfig, seed: int, x_scale: float = 1.0):
     # rbg keys: threefry's random-bits programs take seconds to compile on CPU for each new shape
     kp, kx, kt = jax.random.split(jax.random.key(seed, impl="rbg"), 3)
-    params = moejax.init_params(cfg, kp)
+    params = moejax.init_params(cfg, kp, layout="stacked")
     x = x_scale * jax.random.normal(kx, (T, cfg.hidden_size), jnp.float32)
     tids = jax.random.randint(kt, (T,), 0, cfg.vocab_size, dtype=jnp.int32) if cfg.hash_routing else None
     return params, x, tids

@@ -144,8 +144,11 @@ def test_nnx_module_matches_functional_and_jits():
     np.testing.assert_allclose(nnx.jit(lambda m, x, t: m(x, t))(layer, x, tid), eager, rtol=1e-6, atol=1e-6)
     params = nnx.state(layer, nnx.Param)
     assert "tid2eid" not in str(jax.tree_util.tree_structure(params))  # buffers are not trainable
-    meta = layer.experts.gate.get_metadata()
-    assert meta["out_sharding"] == ("expert", "embed", "mlp")
+    assert layer.layout == "per_expert"  # the CPU default: each expert's weights their own buffers
+    assert layer.experts[3].gate.get_metadata()["out_sharding"] == ("embed", "mlp")
+    stacked = moejax.MoE(cfg, rngs=nnx.Rngs(0), layout="stacked")
+    assert stacked.experts.gate.get_metadata()["out_sharding"] == ("expert", "embed", "mlp")
+    np.testing.assert_array_equal(stacked(x, tid), eager)  # same weights in either layout
 
 
 def test_nnx_load_params_roundtrip():

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import types
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -19,7 +20,7 @@ from safetensors.numpy import save_file
 
 import moejax
 from moejax import hf
-from moejax.params import expected_shapes, flatten, unflatten
+from moejax.params import expected_shapes, flatten, unflatten, with_experts_layout
 
 H, I = 16, 8  # hidden, expert intermediate (shared sizes differ on purpose)
 
@@ -812,7 +813,7 @@ def test_dtypes_are_kept():
     case = case_deepseek_v3(np.random.default_rng(0))
     bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in case.fused.items()}
     bf16["gate.weight"] = case.fused["gate.weight"]  # DeepSeek keeps the router in float32
-    params = hf.params_from_hf(bf16, case.cfg)
+    params = hf.params_from_hf(bf16, case.cfg, layout="stacked")
     assert params.experts.gate.dtype == jnp.bfloat16
     assert params.shared.down.dtype == jnp.bfloat16
     assert params.router.kernel.dtype == jnp.float32
@@ -850,8 +851,13 @@ def test_params_to_hf_round_trip(family, layout):
         else:
             flat[name] = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     params = unflatten(flat)
-    back = hf.params_from_hf(hf.params_to_hf(params, cfg, layout), cfg)
+    written = hf.params_to_hf(params, cfg, layout)
+    back = hf.params_from_hf(written, cfg, layout="stacked")
     jax.tree.map(np.testing.assert_array_equal, params, back)
+    # The per-expert (CPU) layout writes the same checkpoint and loads back per-expert.
+    per_expert = with_experts_layout(params, "per_expert")
+    chex.assert_trees_all_equal(hf.params_to_hf(per_expert, cfg, layout), written)
+    chex.assert_trees_all_equal(hf.params_from_hf(written, cfg, layout="per_expert"), per_expert)
 
 
 # -- gpt-oss MXFP4 -------------------------------------------------------------------------------------------
@@ -894,7 +900,7 @@ def test_gpt_oss_mxfp4_blocks():
         "experts.gate_up_proj": _dequant_loop(gu_blocks, gu_scales).transpose(0, 2, 1).astype(ml_dtypes.bfloat16),
         "experts.down_proj": _dequant_loop(dn_blocks, dn_scales).transpose(0, 2, 1).astype(ml_dtypes.bfloat16),
     }
-    got, want = hf.params_from_hf(quantized, cfg), hf.params_from_hf(dense, cfg)
+    got, want = hf.params_from_hf(quantized, cfg, layout="stacked"), hf.params_from_hf(dense, cfg, layout="stacked")
     assert got.experts.gate.dtype == jnp.bfloat16
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
@@ -987,11 +993,15 @@ def qwen_layers():
 def test_load_safetensors_one_layer(tmp_path, qwen_layers, dtype):
     files = _write_sharded(tmp_path, [c.other for c in qwen_layers], dtype)
     cfg = qwen_layers[1].cfg
-    want = hf.params_from_hf({k: v.astype(dtype) for k, v in qwen_layers[1].other.items()}, cfg)
+    want = hf.params_from_hf({k: v.astype(dtype) for k, v in qwen_layers[1].other.items()}, cfg, layout="stacked")
     for source in (tmp_path / "model.safetensors.index.json", tmp_path, files, str(tmp_path)):
-        got = hf.load_safetensors(source, cfg, "model.layers.1.mlp")
+        got = hf.load_safetensors(source, cfg, "model.layers.1.mlp", layout="stacked")
         assert got.experts.gate.dtype == jnp.dtype(dtype)
         jax.tree.map(np.testing.assert_array_equal, got, want)
+    # On a CPU backend the default is the per-expert layout, each expert's arrays their own buffers.
+    got = hf.load_safetensors(tmp_path, cfg, "model.layers.1.mlp")
+    assert isinstance(got.experts, moejax.weights.PerExpert)
+    chex.assert_trees_all_equal(with_experts_layout(got, "stacked"), want)
 
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.float16, np.int64])

@@ -18,7 +18,7 @@ from multihost_worker import numpy_params
 
 import moejax
 from moejax import parallel
-from moejax.experts import shared_expert_ffn
+from moejax.experts import shared_expert_ffn, slots_from_routing
 from moejax.forward import expert_input
 from moejax.params import flatten
 
@@ -164,7 +164,7 @@ def test_once_terms_added_after_the_reduction_and_buggy_orders_differ():
         num_local = params.experts.num_experts
         routing = moejax.route(params, x, cfg)
         x_e = expert_input(params, x, cfg)
-        local = parallel.localize(routing, jax.lax.axis_index("expert") * num_local, num_local)
+        local = parallel.localize(slots_from_routing(routing, cfg), jax.lax.axis_index("expert") * num_local, num_local)
         partial = parallel.partial_routed_sum(params.experts, x_e, local, cfg, impl="xla", num_pairs=x.size)
         reduced = jax.lax.psum(partial, "expert")
         shared = shared_expert_ffn(x_e, params.shared, cfg)

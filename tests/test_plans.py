@@ -1,21 +1,28 @@
-"""The XLA plans against the dense float32 reference, on fresh random inputs."""
+"""The plans (XLA on the stacked layout, CPU on the per-expert layout) against the dense float32 reference, on fresh
+random inputs; the read-once property of each, counted at run time."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moejax
+from moejax.experts import Slots, expert_activation, slots_from_routing
 from moejax.plans import union_of_experts
+from moejax.weights import ExpertWeights
 
 FAMILIES = moejax.FAMILIES
 
 
-def _inputs(cfg, T, seed, dtype=jnp.float32):
+def _layout(impl):
+    return "per_expert" if impl.startswith("cpu") else "stacked"
+
+
+def _inputs(cfg, T, seed, dtype=jnp.float32, layout="stacked"):
     kp, kx, kt = jax.random.split(jax.random.key(seed), 3)
-    params = moejax.init_params(cfg, kp, dtype)
+    params = moejax.init_params(cfg, kp, dtype, layout=layout)
     x = jax.random.normal(kx, (T, cfg.hidden_size), jnp.float32).astype(dtype)
     token_ids = jax.random.randint(kt, (T,), 0, cfg.vocab_size) if cfg.hash_routing else None
     return params, x, token_ids
@@ -42,7 +49,7 @@ def cases(draw, max_rows):
 
 
 def _check_plan(impl, cfg, T, same_rows, seed):
-    params, x, tid = _inputs(cfg, T, seed)
+    params, x, tid = _inputs(cfg, T, seed, layout=_layout(impl))
     if same_rows:
         x = jnp.broadcast_to(x[0], x.shape)
         tid = None if tid is None else jnp.broadcast_to(tid[0], tid.shape)
@@ -51,21 +58,35 @@ def _check_plan(impl, cfg, T, same_rows, seed):
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
 
 
-@given(cases(max_rows=8))
+@given(case=cases(max_rows=8))
 def test_decode_plan_equals_reference(case):
     _check_plan("xla_decode", *case)
 
 
-@given(cases(max_rows=300))
+@given(case=cases(max_rows=300))
 def test_grouped_plan_equals_reference(case):
     _check_plan("xla_grouped", *case)
 
 
+# The CPU plans get fewer examples here: tests/test_cpu_plans.py checks them at the plan level.
+@settings(max_examples=5)
+@given(case=cases(max_rows=8))
+def test_cpu_decode_plan_equals_reference(case):
+    _check_plan("cpu_decode", *case)
+
+
+@settings(max_examples=5)
+@given(case=cases(max_rows=300))
+def test_cpu_grouped_plan_equals_reference(case):
+    _check_plan("cpu_grouped", *case)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_both_plans(family):
+@pytest.mark.parametrize("kind", ["xla", "cpu"])
+def test_every_family_both_plans(family, kind):
     cfg = moejax.MoEConfig.preset(family)
-    _check_plan("xla_decode", cfg, 8 if cfg.top_k <= 8 else 4, False, 3)
-    _check_plan("xla_grouped", cfg, 37, False, 4)
+    _check_plan(f"{kind}_decode", cfg, 8 if cfg.top_k <= 8 else 4, False, 3)
+    _check_plan(f"{kind}_grouped", cfg, 37, False, 4)
 
 
 def test_grouped_plan_with_empty_experts_and_one_hot_expert():
@@ -84,44 +105,68 @@ def test_union_of_experts_dedupes_in_first_seen_order():
 
 
 @given(family=st.sampled_from(FAMILIES), T=st.integers(1, 64), seed=st.integers(0, 2**16))
-def test_bfloat16_xla_close_to_reference(family, T, seed):
+def test_bfloat16_close_to_reference(family, T, seed):
+    _check_bfloat16("xla", family, T, seed)
+
+
+@settings(max_examples=6)
+@given(family=st.sampled_from(FAMILIES), T=st.integers(1, 64), seed=st.integers(0, 2**16))
+def test_cpu_bfloat16_close_to_reference(family, T, seed):
+    _check_bfloat16("cpu", family, T, seed)
+
+
+def _check_bfloat16(impl, family, T, seed):
     """bf16 weights and activations: the plans round the activation to bf16 before the down projection, the
     reference does not; the difference stays at bf16 resolution of the output's scale."""
     cfg = moejax.MoEConfig.preset(family)
-    params, x, tid = _inputs(cfg, T, seed, jnp.bfloat16)
+    params, x, tid = _inputs(cfg, T, seed, jnp.bfloat16, layout=_layout(impl))
     ref = forward(params, x, cfg, tid, "reference").astype(jnp.float32)
-    got = forward(params, x, cfg, tid, "xla").astype(jnp.float32)
+    got = forward(params, x, cfg, tid, impl).astype(jnp.float32)
     scale = float(jnp.max(jnp.abs(ref)))
     np.testing.assert_allclose(got, ref, rtol=0, atol=3e-2 * scale)
 
 
-def _count_expert_reads(monkeypatch):
-    """Patch the single weight-read point to record, at run time, which experts are read."""
+def _count_expert_reads(monkeypatch, experts):
+    """Record, at run time, which experts' gate/up weights are read, in either layout: every read passes through
+    the format's `gate_up`, which the patch makes report the first weight of the expert it reads (random and
+    distinct per expert, so it names the expert)."""
+    stacked = moejax.weights.as_stacked(experts)
+    expert_of = {float(v): e for e, v in enumerate(np.asarray(stacked.gate[:, 0, 0]))}
+    assert len(expert_of) == stacked.num_experts
     reads = []
-    original = moejax.ExpertWeights.expert
+    original = ExpertWeights.gate_up
 
-    def counting_expert(self, e):
-        jax.debug.callback(lambda e: reads.append(int(e)), e)
-        return original(self, e)
+    def counting_gate_up(self, x):
+        jax.debug.callback(lambda v: reads.append(expert_of[float(v)]), self.gate[0, 0])
+        return original(self, x)
 
-    monkeypatch.setattr(moejax.ExpertWeights, "expert", counting_expert)
+    monkeypatch.setattr(ExpertWeights, "gate_up", counting_gate_up)
     return reads
 
 
+def _slots(params, x, cfg, indices=None):
+    routing = moejax.route(params, x, cfg)
+    if indices is not None:
+        routing = moejax.Routing(indices=indices, weights=routing.weights, logits=routing.logits)
+    return routing, slots_from_routing(routing, cfg)
+
+
+def _run(impl, params, x, slots, cfg, **kwargs):
+    moejax.backends.BACKENDS[impl].run(params.experts, x, slots, expert_activation(cfg), **kwargs).block_until_ready()
+    jax.effects_barrier()
+
+
+@pytest.mark.parametrize("impl", ["xla_decode", "cpu_decode"])
 @pytest.mark.parametrize("rows", ["random", "same", "distinct"])
-def test_decode_plan_reads_each_union_expert_once(monkeypatch, rows):
+def test_decode_plan_reads_each_union_expert_once(monkeypatch, impl, rows):
     cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=64, top_k=8)
-    params, x, _ = _inputs(cfg, 8, 1)
+    params, x, _ = _inputs(cfg, 8, 1, layout=_layout(impl))
     if rows == "same":
         x = jnp.broadcast_to(x[0], x.shape)
-    routing = moejax.route(params, x, cfg)
-    if rows == "distinct":  # force 8 rows onto 64 different experts
-        routing = moejax.Routing(
-            indices=jnp.arange(64, dtype=jnp.int32).reshape(8, 8), weights=routing.weights, logits=routing.logits
-        )
-    reads = _count_expert_reads(monkeypatch)
-    moejax.plans.decode_plan(params.experts, x, routing, cfg).block_until_ready()
-    jax.effects_barrier()
+    distinct = jnp.arange(64, dtype=jnp.int32).reshape(8, 8) if rows == "distinct" else None  # 64 experts
+    routing, slots = _slots(params, x, cfg, distinct)
+    reads = _count_expert_reads(monkeypatch, params.experts)
+    _run(impl, params, x, slots, cfg)
     union = set(np.asarray(routing.indices).ravel().tolist())
     assert sorted(reads) == sorted(union)  # every union expert read exactly once, nothing else
     assert len(reads) == {"same": 8, "distinct": 64}.get(rows, len(union))
@@ -132,11 +177,32 @@ def test_grouped_plan_reads_each_expert_once_per_block(monkeypatch, E, T, K, blo
     """Experts without tokens are never read; the others once per block of their pairs."""
     cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=E, top_k=K)
     params, x, _ = _inputs(cfg, T, 2)
-    routing = moejax.route(params, x, cfg)
-    reads = _count_expert_reads(monkeypatch)
-    moejax.plans.grouped_plan(params.experts, x, routing, cfg, block_rows=block_rows).block_until_ready()
-    jax.effects_barrier()
+    routing, slots = _slots(params, x, cfg)
+    reads = _count_expert_reads(monkeypatch, params.experts)
+    _run("xla_grouped", params, x, slots, cfg, block_rows=block_rows)
     B = block_rows or moejax.plans.grouped_block_rows(T * K, E)
     counts = np.bincount(np.asarray(routing.indices).ravel(), minlength=E)
     expected_blocks = {e: -(-int(c) // B) for e, c in enumerate(counts) if c}
     assert {e: reads.count(e) for e in set(reads)} == expected_blocks  # empty experts are never read
+
+
+def test_cpu_grouped_plan_never_reads_empty_experts(monkeypatch):
+    cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=64, top_k=2)
+    params, x, _ = _inputs(cfg, 12, 2, layout="per_expert")
+    routing, slots = _slots(params, x, cfg)
+    reads = _count_expert_reads(monkeypatch, params.experts)
+    _run("cpu_grouped", params, x, slots, cfg)
+    assert set(reads) == set(np.asarray(routing.indices).ravel().tolist())
+
+
+def test_slots_skip_ids_past_the_experts():
+    """Ids >= E (zero-computation experts, experts of other devices) are never computed by any plan."""
+    cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=16, top_k=4)
+    for impl in ("xla_decode", "cpu_decode", "xla_grouped", "cpu_grouped", "reference"):
+        params, x, _ = _inputs(cfg, 3, 4, layout=_layout(impl))
+        indices = jnp.array([[0, 16, 3, 99], [16, 16, 16, 16], [5, 5, 1, 17]], jnp.int32)
+        slots = Slots(indices, jnp.where(indices < 16, 0.5, 0.0))
+        got = moejax.backends.BACKENDS[impl].run(params.experts, x, slots, expert_activation(cfg))
+        want = moejax.backends.BACKENDS["reference"].run(params.experts, x, slots, expert_activation(cfg))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(got[1], 0.0)

@@ -1,0 +1,156 @@
+"""The registry of routed-expert implementations, and the one place `impl=` is resolved.
+
+Every implementation has the same narrow signature, `run(experts, x, slots, act, *, block_rows=None) -> [T, H]`
+float32 (`moejax.experts.Slots`, `GatedActivation`), prepares the weights it needs itself, and raises
+`NotImplementedError` (at trace time) for a case it cannot serve. `impl="auto"` tries an ordered list of
+candidates and takes the first that serves the call; when all fail, one error lists each one's reason.
+
+  "reference"      dense float32: every expert on every token, masked, one expert at a time. The oracle.
+  "cpu_decode"     `moejax.cpu_plans`: per-expert layout, `lax.switch` to each union expert (weights read in
+                   place by XLA:CPU), T <= 8 rows and T·K <= 64 slots.
+  "cpu_grouped"    `moejax.cpu_plans`: per-expert layout, pairs sorted by expert, blocks dispatched by `lax.switch`.
+  "xla_decode"     union-of-experts decode over the stacked layout (T <= 8, T·K <= 64).
+  "xla_grouped"    grouped plan over pairs sorted by expert, stacked layout (any T).
+  "pallas_decode", "pallas_grouped"
+                   the Mosaic GPU kernels (`moejax.kernel_plans`), stacked dense weights; interpreted on CPU.
+Families: "xla" (decode where it fits, else grouped), "cpu", "pallas" likewise.
+"auto": on a GPU, the kernels `pallas_kernels/validated.json` lists for it; then the CPU plans when the weights
+are per-expert; then the XLA plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+
+import pallas_kernels
+from moejax import kernel_plans
+from moejax.experts import Slots, reference_routed
+from moejax.plans import decode_fits, decode_plan, grouped_plan
+from moejax.weights import Experts, PerExpert
+from pallas_kernels.activations import GatedActivation
+
+Array = jax.Array
+RoutedFn = Callable[..., Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One implementation of the routed experts. `decode`: whether it serves only decode-sized calls."""
+
+    name: str
+    run: RoutedFn
+    decode: bool = False
+
+
+def _reference(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
+    del block_rows
+    return reference_routed(experts, x, slots, act)
+
+
+def _xla_decode(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
+    del block_rows
+    return decode_plan(experts, x, slots, act)
+
+
+def _xla_grouped(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
+    return grouped_plan(experts, x, slots, act, block_rows=block_rows)
+
+
+def _cpu(plan_name: str) -> RoutedFn:
+    def run(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
+        del block_rows
+        if not isinstance(experts, PerExpert):
+            raise NotImplementedError(
+                "the CPU plans read the per-expert layout (moejax.weights.to_layout(experts, 'per_expert'))"
+            )
+        from moejax import cpu_plans  # TODO(integration): module-level import
+
+        plan = getattr(cpu_plans, plan_name)
+        expert_fns = [functools.partial(part.ffn, act=act) for part in experts.parts]
+        return plan(expert_fns, x, slots.indices, slots.in_scale, slots.out_weight)
+
+    return run
+
+
+def _pallas(kernel: Callable[..., Array]) -> RoutedFn:
+    def run(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
+        del block_rows
+        return kernel(experts, x, slots, act)
+
+    return run
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("reference", _reference),
+        Backend("pallas_decode", _pallas(kernel_plans.pallas_decode), decode=True),
+        Backend("pallas_grouped", _pallas(kernel_plans.pallas_grouped)),
+        Backend("cpu_decode", _cpu("switch_decode"), decode=True),
+        Backend("cpu_grouped", _cpu("switch_grouped")),
+        Backend("xla_decode", _xla_decode, decode=True),
+        Backend("xla_grouped", _xla_grouped),
+    )
+}
+_FAMILIES = ("xla", "cpu", "pallas")
+IMPLS = ("auto", *_FAMILIES, *BACKENDS)
+# Each kernel backend: the pallas_kernels kernel it runs (for validated.json).
+_KERNELS = {"pallas_decode": "moe_decode", "pallas_grouped": "moe_grouped"}
+
+
+def kernel_validated(name: str) -> bool:
+    """Whether kernel backend `name` may run under "auto": on a GPU backend, and listed in
+    `pallas_kernels/validated.json` for this device kind and JAX version (checked by benchmarks/gpu_bench.py)."""
+    if jax.default_backend() != "gpu":
+        return False
+    return pallas_kernels.is_validated(_KERNELS[name], jax.devices()[0].device_kind, jax.__version__)
+
+
+def candidates(impl: str, num_rows: int, top_k: int) -> list[str]:
+    """The backends `impl` tries, in order, for a call of `num_rows` rows of `top_k` slots (static)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+    kind = "decode" if decode_fits(num_rows, top_k) else "grouped"
+    if impl in _FAMILIES:
+        return [f"{impl}_{kind}"]
+    if impl == "auto":
+        kernel = f"pallas_{kind}"
+        return [kernel] * kernel_validated(kernel) + [f"cpu_{kind}", f"xla_{kind}"]
+    if BACKENDS[impl].decode and kind != "decode":
+        raise ValueError(f"impl={impl!r} serves at most 8 rows and 64 slots, got T={num_rows}, K={top_k}")
+    return [impl]
+
+
+def run_routed(
+    impl: str, experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows: int | None = None
+) -> Array:
+    """The routed sum `[T, H]` float32 by the first candidate of `impl` that serves the call.
+
+    Raises:
+      NotImplementedError: no candidate serves it (the message lists each one's reason).
+    """
+    names = candidates(impl, *slots.indices.shape)
+    if len(names) == 1:
+        return BACKENDS[names[0]].run(experts, x, slots, act, block_rows=block_rows)
+    reasons = []
+    for name in names:
+        try:
+            return BACKENDS[name].run(experts, x, slots, act, block_rows=block_rows)
+        except NotImplementedError as err:
+            reasons.append(f"{name}: {err}")
+    raise NotImplementedError(f"impl={impl!r}: no implementation serves this call ({'; '.join(reasons)})")
+
+
+def resolve_impl(impl: str, experts: Experts, x: Array, slots: Slots, act: GatedActivation) -> str:
+    """The backend `impl` would run for this call (traced abstractly, nothing computed; for tests and benchmarks)."""
+    for name in candidates(impl, *slots.indices.shape):
+        try:
+            jax.eval_shape(functools.partial(BACKENDS[name].run, act=act), experts, x, slots)
+        except NotImplementedError:
+            continue
+        return name
+    raise NotImplementedError(f"impl={impl!r}: no implementation serves this call")
