@@ -14,8 +14,10 @@ import dataclasses
 import datetime
 import json
 import platform
+import shutil
 import sys
 import time
+from typing import TextIO
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +25,7 @@ import numpy as np
 
 from moejax.analysis import union_size
 from moejax.config import MoEConfig
-from moejax.forward import moe_forward, resolve_impl
+from moejax.forward import chosen_impl, moe_forward
 from moejax.params import init_params
 from moejax.routing import route
 
@@ -58,6 +60,46 @@ def layers(quick: bool) -> list[Layer]:
     # DeepSeek-V3 with E scaled from 256 to 32 (groups of 4, 4 of 8 kept) and the routed experts alone, to fit 24 GiB.
     deepseek_e32 = MODEL_LAYERS["deepseek-v3"].replace(num_experts=32, shared_expert="none", shared_intermediate_size=0)
     return [Layer("qwen3-30b-a3b", MODEL_LAYERS["qwen3-30b-a3b"]), Layer("deepseek-v3/E32", deepseek_e32)]
+
+
+class ProgressBar:
+    """A one-line progress bar, `[#####.......] 3/12  0:42 elapsed, ~1:10 left  label`, redrawn in place on `stream`
+    (default stderr) when it is a terminal; silent otherwise (a pipe, a file, a CI log), so output stays clean.
+    """
+
+    def __init__(self, total: int, stream: TextIO | None = None, width: int = 24):
+        self.total, self.width = total, width
+        self.stream = sys.stderr if stream is None else stream
+        isatty = getattr(self.stream, "isatty", None)
+        self.enabled = bool(isatty and isatty())
+        self.start = time.perf_counter()
+        self._shown = 0  # length of the line on screen, to blank it out
+
+    def update(self, done: int, label: str = "") -> None:
+        """Show `done` of `total` steps finished, `label` naming the step now running."""
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.start
+        filled = round(self.width * done / max(self.total, 1))
+        left = f", ~{_clock(elapsed / done * (self.total - done))} left" if done else ""
+        bar = "#" * filled + "." * (self.width - filled)
+        line = f"[{bar}] {done}/{self.total}  {_clock(elapsed)} elapsed{left}  {label}"
+        line = line[: shutil.get_terminal_size().columns - 1]  # a wrapped line could not be redrawn in place
+        self.stream.write("\r" + line.ljust(self._shown))
+        self.stream.flush()
+        self._shown = len(line)
+
+    def close(self) -> None:
+        """Erase the bar (the results are printed after it)."""
+        if self.enabled and self._shown:
+            self.stream.write("\r" + " " * self._shown + "\r")
+            self.stream.flush()
+            self._shown = 0
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}:{secs:02d}"
 
 
 def _time(fn, *args, repeats: int) -> float:
@@ -112,10 +154,10 @@ def run_cases(args) -> list[dict]:
                 cases.append((layer, dtype, "prefill", T, "random"))
     ceilings: dict[str, dict[str, float]] = {}
     params_cache: dict[tuple[str, str], object] = {}
-    for i, (layer, dtype, phase, T, kind) in enumerate(cases, 1):
+    progress = ProgressBar(len(cases))
+    for i, (layer, dtype, phase, T, kind) in enumerate(cases):
         cfg = layer.cfg
-        if sys.stderr.isatty():
-            print(f"\r[{i}/{len(cases)}] {layer.name} {dtype} {phase} T={T} {kind}      ", end="", file=sys.stderr)
+        progress.update(i, f"{layer.name} {dtype} {phase} T={T} {kind}")
         if dtype not in ceilings:
             ceilings[dtype] = measure_ceilings(jnp.dtype(dtype), args.quick, args.repeats)
         if (layer.name, dtype) not in params_cache:
@@ -142,7 +184,7 @@ def run_cases(args) -> list[dict]:
                 "phase": phase,
                 "T": T,
                 "tokens": kind,
-                "plan": resolve_impl("auto", T, cfg),
+                "plan": chosen_impl(params, x, cfg),
                 "ms": seconds * 1e3,
                 "union": n_union,
                 "GBps": gbps,
@@ -154,8 +196,7 @@ def run_cases(args) -> list[dict]:
                 "ceiling_matmul_GFLOPs": ceiling["matmul_GFLOPs"],
             }
         )
-    if sys.stderr.isatty():
-        print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
+    progress.close()
     return rows
 
 
