@@ -69,13 +69,13 @@ def test_grouped_plan_equals_reference(case):
 
 
 # The CPU plans get fewer examples here: tests/test_cpu_plans.py checks them at the plan level.
-@settings(max_examples=5)
+@settings(max_examples=3)
 @given(case=cases(max_rows=8))
 def test_cpu_decode_plan_equals_reference(case):
     _check_plan("cpu_decode", *case)
 
 
-@settings(max_examples=5)
+@settings(max_examples=3)
 @given(case=cases(max_rows=300))
 def test_cpu_grouped_plan_equals_reference(case):
     _check_plan("cpu_grouped", *case)
@@ -109,7 +109,7 @@ def test_bfloat16_close_to_reference(family, T, seed):
     _check_bfloat16("xla", family, T, seed)
 
 
-@settings(max_examples=6)
+@settings(max_examples=3)
 @given(family=st.sampled_from(FAMILIES), T=st.integers(1, 64), seed=st.integers(0, 2**16))
 def test_cpu_bfloat16_close_to_reference(family, T, seed):
     _check_bfloat16("cpu", family, T, seed)
