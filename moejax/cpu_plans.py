@@ -99,13 +99,14 @@ def decode_row_classes(num_rows: int, num_experts: int, dtype) -> tuple[int, ...
 
     Args:
       num_rows: T, rows of the batch.
-      num_experts: E; at T = 1, 1-row products (XLA's GEMV, the fastest, but ~13 ms of LLVM time each to
-        compile) up to GEMV_MAX_EXPERTS experts, else 2 rows (a duplicated row, YNNPACK).
+      num_experts: E; at T = 1, float32 x gets 1-row products (XLA's GEMV, the fastest float32 kernel, but
+        ~13 ms of LLVM time each to compile) up to GEMV_MAX_EXPERTS experts, else 2 rows (a duplicated row,
+        YNNPACK; XLA's bfloat16 GEMV reads ~2x slower than YNNPACK's bfloat16 dots).
       dtype: dtype of x; float32 gets several classes for T >= 2 (its dot rows are bitwise equal for every
         M >= 2), other dtypes one class (YNNPACK's bfloat16 kernels change with M).
     """
     if num_rows == 1:
-        return (1,) if num_experts <= GEMV_MAX_EXPERTS else (2,)
+        return (1,) if np.dtype(dtype) == np.float32 and num_experts <= GEMV_MAX_EXPERTS else (2,)
     if np.dtype(dtype) == np.float32:
         return (*(r for r in (2, 4) if r < num_rows), num_rows)
     return (num_rows,)
