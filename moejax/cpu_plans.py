@@ -78,20 +78,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.decode import union_of_experts
+
 Array = jax.Array
 ExpertFn = Callable[[Array], Array]
 
-DECODE_MAX_ROWS = 8
-DECODE_MAX_SLOTS = 64
 SWITCH_GROUP = 64  # experts per lax.switch (compile time, see the module docstring)
 GEMV_MAX_EXPERTS = 128  # T = 1 float32 uses 1-row products (XLA GEMV) up to this many experts
 GROUPED_MIN_ROWS = 16  # smallest block of the grouped plan
 SMALL_ROWS = 8  # dense_expert: 2..SMALL_ROWS rows run padded to this many rows
-
-
-def decode_fits(num_rows: int, top_k: int) -> bool:
-    """Whether `switch_decode` serves `num_rows` rows of `top_k` slots."""
-    return num_rows <= DECODE_MAX_ROWS and num_rows * top_k <= DECODE_MAX_SLOTS
 
 
 def decode_row_classes(num_rows: int, num_experts: int, dtype) -> tuple[int, ...]:
@@ -181,32 +176,6 @@ def dense_expert(
 
 def _valid(indices: Array, num_experts: int) -> Array:
     return (indices >= 0) & (indices < num_experts)
-
-
-def union_of_experts(indices: Array, valid: Array) -> tuple[Array, Array, Array]:
-    """Dedupe the valid ids of `indices [T, K]` on device without sorting.
-
-    Args:
-      indices: `[T, K]` int32 expert ids.
-      valid: `[T, K]` bool, the slots to compute.
-
-    Returns:
-      union_ids `[T*K] int32`: the distinct valid ids in first-seen order, then zeros.
-      n_union `[] int32`: how many there are.
-      slot_position `[T, K] int32`: each valid slot's position in union_ids (0 for invalid slots).
-    """
-    T, K = indices.shape
-    ids = indices.reshape(-1)
-    ok = valid.reshape(-1)
-    M = ids.shape[0]
-    same = (ids[:, None] == ids[None, :]) & ok[:, None] & ok[None, :]  # [M, M]
-    earlier = jnp.tri(M, k=-1, dtype=bool)  # earlier[m, m'] = m' < m
-    is_first = ok & ~jnp.any(same & earlier, axis=1)
-    position_if_first = jnp.cumsum(is_first, dtype=jnp.int32) - 1
-    union_ids = jnp.zeros(M, jnp.int32).at[jnp.where(is_first, position_if_first, M)].set(ids, mode="drop")
-    first_of = jnp.argmax(same & is_first[None, :], axis=1)  # the first slot with my id
-    slot_position = jnp.where(ok, position_if_first[first_of], 0).astype(jnp.int32)
-    return union_ids, jnp.sum(is_first, dtype=jnp.int32), slot_position.reshape(T, K)
 
 
 def summed_in_scale(indices: Array, valid: Array, in_scale: Array) -> Array:
@@ -309,7 +278,7 @@ def switch_decode(
     if R < T:
         raise ValueError(f"the largest row class {R} must hold all {T} rows")
     valid = _valid(indices, E)
-    union_ids, n_union, slot_pos = union_of_experts(indices, valid)
+    union_ids, n_union, slot_pos = union_of_experts(indices, E)  # ids outside [0, E) are left out
     U = min(M, E)  # at most this many distinct experts
     union_ids = union_ids[:U]
     member = (slot_pos[None] == jnp.arange(U)[:, None, None]) & valid[None]  # [U, T, K]

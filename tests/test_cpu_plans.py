@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moejax.cpu_plans import (
-    DECODE_MAX_SLOTS,
     decode_row_classes,
     dense_expert,
     switch_decode,
     switch_grouped,
 )
+from moejax.plans import DECODE_MAX_SLOTS
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
