@@ -71,7 +71,8 @@ def _cpu(plan_name: str) -> RoutedFn:
 
         plan = getattr(cpu_plans, plan_name)
         expert_fns = [functools.partial(part.ffn, act=act) for part in experts.parts]
-        return plan(expert_fns, x, slots.indices, slots.in_scale, slots.out_weight)
+        padded_rows = min(part.padded_rows for part in experts.parts)
+        return plan(expert_fns, x, slots.indices, slots.in_scale, slots.out_weight, padded_rows=padded_rows)
 
     return run
 

@@ -3,8 +3,8 @@
 Both compute `Σ_k out_weight[t, k] · E_{indices[t, k]}(rows)` as float32 `[T, H]`. They are format-agnostic: one
 callable per expert, `expert_fns[e](rows [R, H]) -> [R, H] float32` (R static), closing over that expert's OWN
 arrays, dispatched with `jax.lax.switch`. Everything stays on device inside jit: static shapes, loop trip counts
-are device values, one compiled program per input shape. `dense_expert` builds the fastest dense expert measured
-for them (Hugging Face layout, gate and up fused).
+are device values, one compiled program per input shape. The dense experts they run on CPU are
+`moejax.weights.FusedExpertWeights` (Hugging Face layout, gate and up fused: the fastest measured for them).
 
 Measurements quoted: jax 0.10.2 XLA:CPU on this 2-core VM (shared with other jobs, so each number is the minimum
 over interleaved rounds; weights evicted from the 480 MB L3 before every call), Qwen3-30B-A3B sizes (H=2048,
@@ -48,9 +48,9 @@ row of an expert call and is combined over its own slots in slot order, so it ho
 do not depend on R (the rows in the call) nor on the row's position. Measured on XLA:CPU: float32 YNNPACK dots
 (every M >= 2) are bitwise consistent, M = 1 (XLA's own GEMV) is not; YNNPACK's bfloat16 dots switch kernels with
 M (M=2 vs M>=3 at 2048x768, M<=5 vs M>=6 at 40x56), hence ONE class per T for non-float32 x (rows padded to T)
-and grouped classes >= 16; `dense_expert` pads 2..8 rows to 8 (its reduction splits differently at <=4 and >=5
-rows at 7168x2048) and declares `padded_rows`, so the plan compiles one class for them. At T = 1 a row has no
-neighbours, so its single-row products may use XLA's GEMV.
+and grouped classes >= 16; `FusedExpertWeights` pads 2..8 float32 rows to 8 (its reduction splits differently at
+<=4 and >=5 rows at 7168x2048) and says so (`padded_rows`), so the plan compiles one class for them. At T = 1 a
+row has no neighbours, so its single-row products may use XLA's GEMV.
 
 Compile time (limit 10 s at E=256) shaped the structure:
   * Many branches in one conditional make XLA's copy insertion superlinear: a 256-way FFN switch in a
@@ -66,7 +66,7 @@ independent top-level thunks concurrently, e.g. 24 independent GEMVs 1.8x faster
 while loops, two switches in one loop body, nor the thunks of one branch: cpu/wall stayed 1.0), so expert work
 runs on one core; `[in, out]` weights for decode (XLA's column GEMV: 0.64 vs 0.45 ms per float32 product,
 T=1 2.6-2.9x slower with gate/up fused); YNNPACK dots for 2..8 float32 rows (0.97 / 1.26 ms at 2 / 8 rows vs
-0.74 / 0.78 ms for the multiply-reduce of `dense_expert`); classes {2, 8} or {T} instead of {2, 4, 8} for
+0.74 / 0.78 ms for the multiply-reduce of `FusedExpertWeights`); classes {2, 8} or {T} instead of {2, 4, 8} for
 float32 dot experts at T=8 (1.14x / ~1.5x the time).
 """
 
@@ -86,7 +86,6 @@ ExpertFn = Callable[[Array], Array]
 SWITCH_GROUP = 64  # experts per lax.switch (compile time, see the module docstring)
 GEMV_MAX_EXPERTS = 128  # T = 1 float32 uses 1-row products (XLA GEMV) up to this many experts
 GROUPED_MIN_ROWS = 16  # smallest block of the grouped plan
-SMALL_ROWS = 8  # dense_expert: 2..SMALL_ROWS rows run padded to this many rows
 
 
 def decode_row_classes(num_rows: int, num_experts: int, dtype) -> tuple[int, ...]:
@@ -110,68 +109,12 @@ def decode_row_classes(num_rows: int, num_experts: int, dtype) -> tuple[int, ...
 def grouped_row_classes(num_pairs: int, num_experts: int) -> tuple[int, ...]:
     """Block row counts of the grouped plan: about (1, 1.25, 1.5) x the mean pairs per expert, multiples of 8.
 
-    At least GROUPED_MIN_ROWS: bfloat16 dots switch kernels at small M, and `dense_expert` runs <= SMALL_ROWS
+    At least GROUPED_MIN_ROWS: bfloat16 dots switch kernels at small M, and `FusedExpertWeights` runs <= 8
     rows as a reduction; every class above both keeps a row's bits independent of its block.
     """
     up8 = lambda v: max(GROUPED_MIN_ROWS, -(-int(v) // 8) * 8)
     mean = up8(-(-num_pairs // max(1, num_experts)))
     return tuple(sorted({mean, up8(1.25 * mean), up8(1.5 * mean)}))
-
-
-def silu_glu(gate: Array, up: Array) -> Array:
-    """`silu(gate) * up` (Qwen3, DeepSeek, Mixtral)."""
-    return jax.nn.silu(gate) * up
-
-
-def dense_expert(
-    gate_up: Array,
-    down: Array,
-    gated_act: Callable[[Array, Array], Array] = silu_glu,
-    *,
-    reduce_small: bool | None = None,
-) -> ExpertFn:
-    """The fastest dense expert measured for these plans on XLA:CPU, from one expert's own arrays.
-
-    Layout [out, in] (Hugging Face `gate_up_proj[e]`, `down_proj[e]`), gate and up fused. Products accumulate in
-    float32, the activation runs in float32 and is rounded to the weight dtype before the down product.
-      * 1 row (decode T = 1): `dot_general` contracting the last dims, XLA's row-major GEMV, the one
-        bandwidth-efficient XLA:CPU kernel (a `[in, out]` weight gives the column GEMV, ~2x slower).
-      * 2..SMALL_ROWS rows, padded to SMALL_ROWS (one row count, so a row's bits do not depend on R): float32
-        as `sum(W[:, None, :] * rows[None], -1)`, which YNNPACK runs as one fused reduction streaming the weight
-        once without packing it (YNNPACK float32 dots pack the weight on every call: 1.4-1.6x slower at 2-8
-        rows); bfloat16 as a YNNPACK dot (its bfloat16 kernels need no float32 copy of the weight).
-      * more rows (prefill): YNNPACK dots.
-
-    Args:
-      gate_up: `[2I, H]`, gate rows first.
-      down: `[H, I]`.
-      gated_act: `(gate [R, I], up [R, I]) -> [R, I]` in float32.
-      reduce_small: the multiply-reduce form for 2..SMALL_ROWS rows (default: float32 weights only).
-
-    Returns:
-      `fn(rows [R, H]) -> [R, H] float32`.
-    """
-    I = down.shape[1]
-    dtype = gate_up.dtype
-    if reduce_small is None:
-        reduce_small = np.dtype(dtype) == np.float32
-
-    def product(v: Array, w: Array) -> Array:  # [R, in] x [out, in] -> [R, out] float32
-        if reduce_small and 1 < v.shape[0] <= SMALL_ROWS:
-            return jnp.sum(w[:, None, :].astype(jnp.float32) * v[None].astype(jnp.float32), axis=2).T
-        return jax.lax.dot_general(v, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-    def fn(rows: Array) -> Array:
-        R = rows.shape[0]
-        v = rows.astype(dtype)
-        if 1 < R < SMALL_ROWS:
-            v = jnp.pad(v, ((0, SMALL_ROWS - R), (0, 0)))
-        gu = product(v, gate_up)
-        h = gated_act(gu[:, :I], gu[:, I:]).astype(dtype)
-        return product(h, down)[:R]
-
-    fn.padded_rows = SMALL_ROWS  # every 2..SMALL_ROWS rows cost the same: switch_decode compiles one class
-    return fn
 
 
 def _valid(indices: Array, num_experts: int) -> Array:
@@ -252,6 +195,7 @@ def switch_decode(
     out_weight: Array,
     *,
     row_classes: Sequence[int] | None = None,
+    padded_rows: int = 1,
 ) -> Array:
     """Routed output reading each chosen expert once, on the rows that chose it (see the module docstring).
 
@@ -263,6 +207,8 @@ def switch_decode(
         summed-scale form for a row that picks an expert twice).
       out_weight: `[T, K]` float32, the weight of each slot's output (0 for skipped slots).
       row_classes: override of `decode_row_classes` (ascending static row counts, the last >= T unless T = 1).
+      padded_rows: the expert fns run 2..padded_rows rows at the cost of padded_rows (they pad them): the plan
+        compiles one row class for that range (`ExpertFormat.padded_rows`).
 
     Returns:
       `[T, H]` float32.
@@ -270,10 +216,9 @@ def switch_decode(
     T, K = indices.shape
     E, H, M = len(expert_fns), x.shape[-1], T * K
     classes = tuple(sorted(set(row_classes or decode_row_classes(T, E, x.dtype))))
-    padded = min(getattr(f, "padded_rows", 1) for f in expert_fns)
-    if padded > 1 and row_classes is None:  # 2..padded rows cost the same: one class for them
-        small = [c for c in classes if 2 <= c <= padded]
-        classes = tuple(sorted({c for c in classes if not 2 <= c <= padded} | set(small[-1:])))
+    if padded_rows > 1 and row_classes is None:  # 2..padded_rows rows cost the same: one class for them
+        small = [c for c in classes if 2 <= c <= padded_rows]
+        classes = tuple(sorted({c for c in classes if not 2 <= c <= padded_rows} | set(small[-1:])))
     R = classes[-1]
     if R < T:
         raise ValueError(f"the largest row class {R} must hold all {T} rows")
@@ -324,6 +269,7 @@ def switch_grouped(
     out_weight: Array,
     *,
     row_classes: Sequence[int] | None = None,
+    padded_rows: int = 1,
 ) -> Array:
     """Routed output over (token, slot) pairs sorted by expert, in blocks (see the module docstring).
 
@@ -334,6 +280,7 @@ def switch_grouped(
       in_scale: `[T, K]` float32 or None (summed-scale form, as in `switch_decode`).
       out_weight: `[T, K]` float32.
       row_classes: override of `grouped_row_classes` (block row counts; the largest is the full block).
+      padded_rows: as in `switch_decode`; blocks have at least GROUPED_MIN_ROWS > padded_rows rows.
 
     Returns:
       `[T, H]` float32.
@@ -341,6 +288,8 @@ def switch_grouped(
     T, K = indices.shape
     E, H, M = len(expert_fns), x.shape[-1], T * K
     classes = tuple(sorted(set(row_classes or grouped_row_classes(M, E))))
+    if classes[0] <= padded_rows:
+        raise ValueError(f"block row classes {classes} must exceed the experts' padded_rows={padded_rows}")
     B, C = classes[-1], len(classes)
     valid = _valid(indices, E)
     expert_of_pair = jnp.where(valid, indices, E).reshape(-1)  # [M]; skipped -> E (sorted last)

@@ -3,8 +3,8 @@
 Trainable weights are `nnx.Param` carrying logical sharding names (`expert`, `embed`, `mlp`; from the arrays'
 declaration, `moejax.params.param_specs`); the correction bias and the hash table are `MoEBuffer` variables (not
 trainable, not touched by an optimizer that filters on `nnx.Param`). Attribute paths mirror `MoEParams`:
-`layer.router.kernel`, `layer.experts.gate` (stacked layout) or `layer.experts[e].gate` (per-expert layout, the
-default on a CPU backend, see `moejax.weights`), `layer.shared.down`, `layer.expert_norm`.
+`layer.router.kernel`, `layer.experts.gate` (stacked layout) or `layer.experts[e].gate_up_weight` (per-expert
+layout, the default on a CPU backend, see `moejax.weights`), `layer.shared.down`, `layer.expert_norm`.
 
 Under a mesh (`MoE(cfg, rngs=..., mesh=mesh)`), the parameters are created already sharded: their
 `PartitionSpec`s come from the Params' logical sharding names through `moejax.parallel.logical_axis_rules`, and

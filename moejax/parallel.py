@@ -460,7 +460,7 @@ def _logical_view(params: MoEParams, cfg: MoEConfig, placement: Placement) -> Mo
         )
     E = cfg.num_experts
     if isinstance(experts, PerExpert):
-        return dataclasses.replace(params, experts=PerExpert(experts.parts[:E]))
+        return dataclasses.replace(params, experts=dataclasses.replace(experts, parts=experts.parts[:E]))
     view = jax.tree.map(lambda w: jax.ShapeDtypeStruct((E, *w.shape[1:]), w.dtype), experts)
     return dataclasses.replace(params, experts=view)
 

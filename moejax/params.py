@@ -87,8 +87,9 @@ def param_specs(
 ) -> dict[str, ArraySpec]:
     """Every array of `cfg`'s block by dotted name (`router.kernel`, `experts.gate`, `shared.down`, ...).
 
-    The routed experts come from `fmt.declare(cfg)`; with `per_expert`, as `experts.{e}.{field}` without the
-    expert axis. Shapes, logical axes, dtypes (None: the float parameter dtype) and initialisers in one table.
+    The routed experts come from `fmt.declare(cfg)`; with `per_expert`, as `experts.{e}.{field}` of
+    `fmt.part_format()` without the expert axis. Shapes, logical axes, dtypes (None: the float parameter dtype)
+    and initialisers in one table.
     """
     H, E, N, K = cfg.hidden_size, cfg.num_experts, cfg.num_selectable, cfg.top_k
     specs = {"router.kernel": ArraySpec((H, N), ("embed", None))}
@@ -102,12 +103,12 @@ def param_specs(
         specs["router.per_expert_scale"] = ArraySpec((E,), ("expert",), init=_ones_ish)
     if cfg.hash_routing:
         specs["router.tid2eid"] = ArraySpec((cfg.vocab_size, K), (None, None), "int32", _hash_table(N))
-    for name, spec in fmt.declare(cfg).items():
-        if per_expert:
+    if per_expert:
+        for name, spec in fmt.part_format().declare(cfg).items():
             one = dataclasses.replace(spec, shape=spec.shape[1:], axes=spec.axes[1:])
             specs |= {f"experts.{e}.{name}": one for e in range(E)}
-        else:
-            specs[f"experts.{name}"] = spec
+    else:
+        specs |= {f"experts.{name}": spec for name, spec in fmt.declare(cfg).items()}
     if cfg.shared_expert is not SharedExpert.NONE:
         Is = cfg.shared_intermediate_size
         specs |= {

@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 
 from moejax.cpu_plans import (
     decode_row_classes,
-    dense_expert,
     switch_decode,
     switch_grouped,
 )
 from moejax.plans import DECODE_MAX_SLOTS
+from moejax.weights import FusedExpertWeights
+from pallas_kernels.activations import GatedActivation
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
@@ -271,8 +272,13 @@ def test_grouped_runs_each_expert_once_when_it_fits():
     assert all(r >= pairs[e] for e, r in calls)
 
 
+def _fused_fn(gate_up, down):
+    """`FusedExpertWeights` expert e as the plans call it."""
+    return functools.partial(FusedExpertWeights(gate_up, down).ffn, act=GatedActivation("silu"))
+
+
 def _dense_reference(gate_up, down, rows, dtype):
-    """`dense_expert` in numpy float32 (weights and the activation rounded to the weight dtype)."""
+    """`FusedExpertWeights.ffn` in numpy float32 (weights and the activation rounded to the weight dtype)."""
     rnd = (lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)) if dtype == "bfloat16" else np.float32
     I = down.shape[1]
     gu = rnd(rows) @ rnd(gate_up).T
@@ -282,14 +288,14 @@ def _dense_reference(gate_up, down, rows, dtype):
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("R", [1, 2, 5, 8, 13])
-def test_dense_expert_equals_reference(R, dtype):
+def test_fused_expert_equals_reference(R, dtype):
     """One row (GEMV), 2..8 rows (padded multiply-reduce or dot), more rows (dot)."""
     H, I = 40, 28
     rng = np.random.default_rng(R)
     gate_up = rng.standard_normal((2 * I, H), dtype=np.float32) / np.sqrt(H)
     down = rng.standard_normal((H, I), dtype=np.float32) / np.sqrt(I)
     rows = rng.standard_normal((R, H), dtype=np.float32)
-    fn = dense_expert(jnp.asarray(gate_up, DTYPES[dtype]), jnp.asarray(down, DTYPES[dtype]))
+    fn = _fused_fn(jnp.asarray(gate_up, DTYPES[dtype]), jnp.asarray(down, DTYPES[dtype]))
     got = np.asarray(jax.jit(fn)(jnp.asarray(rows, DTYPES[dtype])))
     ref = _dense_reference(gate_up, down, np.asarray(jnp.asarray(rows, DTYPES[dtype]), np.float32), dtype)
     np.testing.assert_allclose(got, ref, rtol=TOL[dtype], atol=TOL[dtype])
@@ -297,8 +303,8 @@ def test_dense_expert_equals_reference(R, dtype):
 
 @pytest.mark.parametrize(("plan", "T"), [(switch_decode, 6), (switch_grouped, 45)])
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-def test_dense_expert_plans_batch_invariant(plan, T, dtype):
-    """The plans with `dense_expert` experts: reference values, and row 0's bits independent of its neighbours."""
+def test_fused_expert_plans_batch_invariant(plan, T, dtype):
+    """The plans with `FusedExpertWeights` experts: reference values, and row 0's bits independent of its neighbours."""
     E, K, H, I = 12, 3, 36, 20
     rng = np.random.default_rng(T)
     np_w = [
@@ -306,7 +312,8 @@ def test_dense_expert_plans_batch_invariant(plan, T, dtype):
         for _ in range(E)
     ]
     ws = [tuple(jnp.asarray(a, DTYPES[dtype]) for a in w) for w in np_w]
-    f = jax.jit(lambda ws, x, i, w: plan([dense_expert(*wi) for wi in ws], x, i, None, w))
+    padded = FusedExpertWeights(*ws[0]).padded_rows
+    f = jax.jit(lambda ws, x, i, w: plan([_fused_fn(*wi) for wi in ws], x, i, None, w, padded_rows=padded))
     x0, w0 = rng.standard_normal(H), rng.random(K)
     rows0 = []
     for indices in _neighbour_routings(E, T, K, rng):

@@ -14,8 +14,17 @@ from jax.sharding import PartitionSpec as P
 
 import moejax
 from moejax import parallel
+from moejax.experts import expert_activation
 from moejax.params import param_specs, with_experts_layout
-from moejax.weights import ArraySpec, ExpertFormat, ExpertWeights, PerExpert, check_experts, to_layout
+from moejax.weights import (
+    ArraySpec,
+    ExpertFormat,
+    ExpertWeights,
+    FusedExpertWeights,
+    PerExpert,
+    check_experts,
+    to_layout,
+)
 
 Array = jax.Array
 
@@ -167,9 +176,26 @@ def test_param_specs_come_from_the_declaration():
     specs = param_specs(cfg, Int8PerChannel)
     assert specs["experts.down_scale"].shape == (4, cfg.hidden_size)
     assert "experts.gate_bias" not in specs  # the format decides its arrays, not the config's bias flag
-    per_expert = param_specs(cfg, ExpertWeights, per_expert=True)
-    assert per_expert["experts.3.gate_bias"].shape == (cfg.intermediate_size,)
-    assert per_expert["experts.0.down"].axes == ("mlp", "embed")
+    per_expert = param_specs(cfg, ExpertWeights, per_expert=True)  # its parts: FusedExpertWeights, [out, in]
+    assert per_expert["experts.3.gate_up_bias"].shape == (2 * cfg.intermediate_size,)
+    assert per_expert["experts.0.down_weight"].axes == ("embed", "mlp")
+    assert param_specs(cfg, Int8PerChannel, per_expert=True)["experts.1.down_q"].axes == ("mlp", "embed")
+
+
+def test_fused_parts_round_trip_and_compute_the_same():
+    """`ExpertWeights` -> per-expert `FusedExpertWeights` parts -> stacked gives the same arrays back, and both
+    formats compute the same expert outputs."""
+    cfg = moejax.MoEConfig.preset("gpt_oss", num_experts=6)  # with expert biases
+    dense = moejax.init_params(cfg, jax.random.key(0), layout="stacked").experts
+    parts = to_layout(dense, "per_expert")
+    assert isinstance(parts.parts[0], FusedExpertWeights) and parts.format is ExpertWeights
+    chex.assert_trees_all_equal(to_layout(parts, "stacked"), dense)
+    fused = FusedExpertWeights.from_dense(dense)
+    chex.assert_trees_all_equal(fused.as_dense(), dense)
+    act = expert_activation(cfg)
+    x = jax.random.normal(jax.random.key(1), (5, cfg.hidden_size))
+    for e in range(3):
+        np.testing.assert_allclose(parts.parts[e].ffn(x, act), dense.expert(e).ffn(x, act), rtol=2e-5, atol=2e-5)
 
 
 def test_wrong_dtype_or_shape_names_the_field():
