@@ -15,11 +15,12 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
+import ml_dtypes
 import numpy as np
 
 from moejax.config import MoEConfig
 from moejax.hf import files
-from moejax.hf.configs import config_from_hf, family_config, layer_kind, moe_layer_indices
+from moejax.hf.configs import config_from_hf, family_config, is_composite, layer_kind, moe_layer_indices
 from moejax.hf.convert import layout_of, params_from_layout, params_to_hf
 from moejax.hf.families import Block, Family
 from moejax.hf.layouts import StateDict
@@ -113,14 +114,16 @@ class _Opened:
 # -- loading ---------------------------------------------------------------------------------------------------
 
 
+# The dtypes `dtype=` converts: not float8 (quantized data, meaningless without its scales) nor integers.
+_CASTABLE = frozenset(np.dtype(t) for t in (np.float64, np.float32, np.float16, ml_dtypes.bfloat16))
+
+
 def _cast(tensors: dict[str, np.ndarray], dtype: Any, keep: tuple[str, ...]) -> dict[str, np.ndarray]:
     """Floating tensors in `dtype`, except `keep` (the correction bias stays float32 as in transformers)."""
     if dtype is None:
         return tensors
     dtype = np.dtype(dtype)
-    return {
-        k: v.astype(dtype) if np.issubdtype(v.dtype, np.floating) and k not in keep else v for k, v in tensors.items()
-    }
+    return {k: v.astype(dtype) if v.dtype in _CASTABLE and k not in keep else v for k, v in tensors.items()}
 
 
 def _params(
@@ -255,9 +258,10 @@ def load_safetensors(
 # -- saving ----------------------------------------------------------------------------------------------------
 
 
-def _block_for(family: Family, checkpoint_class: str | None) -> Block:
+def _block_for(family: Family, checkpoint_class: str | None, composite: bool) -> Block:
+    """The named checkpoint class, or the first one that goes with a composite (multimodal) or text config."""
     if checkpoint_class is None:
-        return family.blocks[0]
+        return next(b for b in family.blocks if b.composite in (None, composite))
     for block in family.blocks:
         if block.checkpoint == checkpoint_class:
             return block
@@ -280,7 +284,7 @@ def layer_tensors(
     """
     family, _ = family_config(hf_config)
     cfg = config_from_hf(hf_config, layer_idx)
-    block = _block_for(family, checkpoint_class)
+    block = _block_for(family, checkpoint_class, is_composite(hf_config))
     relative = params_to_hf(params, cfg, experts or block.experts, key_layout=block.layout)
     prefix = block.at(layer_idx)
     return {prefix + key: np.ascontiguousarray(value) for key, value in relative.items()}
@@ -319,7 +323,7 @@ def save_layer(
     tensors = layer_tensors(params, config, layer_idx, checkpoint_class=checkpoint_class, experts=experts)
     weight_map = files.weight_map(path) if _has_weights(path) else {}
     family, _ = family_config(config)
-    block_prefix = _block_for(family, checkpoint_class).at(layer_idx)
+    block_prefix = _block_for(family, checkpoint_class, is_composite(config)).at(layer_idx)
     _drop_keys(weight_map, [k for k in weight_map if k.startswith(block_prefix)])
     shard = os.path.join(path, f"model-moejax-layer-{layer_idx:05d}.safetensors")
     save_file(tensors, shard)

@@ -6,7 +6,7 @@ from typing import Any
 
 from moejax.config import MoEConfig
 from moejax.hf.families import BY_MODEL_TYPE, Family, LayerKind
-from moejax.hf.hfconfig import HFConfig, text_part
+from moejax.hf.hfconfig import HFConfig, as_dict, text_part
 
 
 def family_config(hf_config: Any) -> tuple[Family, HFConfig]:
@@ -17,6 +17,11 @@ def family_config(hf_config: Any) -> tuple[Family, HFConfig]:
     if family is None:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(BY_MODEL_TYPE)}")
     return family, HFConfig(values, model_type)
+
+
+def is_composite(hf_config: Any) -> bool:
+    """Whether `hf_config` is a multimodal config with its text part nested as `text_config`."""
+    return as_dict(hf_config).get("text_config") is not None
 
 
 def num_layers(family: Family, c: HFConfig) -> int | None:

@@ -89,12 +89,15 @@ class Block:
       checkpoint: the checkpoint class, for messages (`"MixtralForCausalLM"`).
       experts: how the routed experts are stored there ("per_expert" keys or "fused" tensors), as written by
         `save_layer`; both are read.
+      composite: the class goes with the multimodal config (text part nested as `text_config`: True), the text
+        config (False), or both (None); `save_layer` picks the first class that fits the config it is given.
     """
 
     prefix: str
     layout: KeyLayout
     checkpoint: str
     experts: Literal["fused", "per_expert"] = "per_expert"
+    composite: bool | None = False
 
     def at(self, layer: int) -> str:
         return self.prefix.format(layer=layer)
@@ -491,7 +494,9 @@ FAMILY_RECORDS: tuple[Family, ...] = (
         every_layer,
         QWEN,
         (
-            Block("model.language_model.layers.{layer}.mlp.", QWEN, "Qwen3_5MoeForConditionalGeneration"),
+            Block(
+                "model.language_model.layers.{layer}.mlp.", QWEN, "Qwen3_5MoeForConditionalGeneration", composite=True
+            ),
             Block(_MLP, QWEN, "Qwen3_5MoeForCausalLM"),
         ),
     ),
@@ -537,8 +542,13 @@ FAMILY_RECORDS: tuple[Family, ...] = (
         _step3p7_kind,
         DEEPSEEK,
         (
-            Block("model.layers.{layer}.", STEP3P7, "Step3p7ForCausalLM / ForConditionalGeneration", "fused"),
-            Block("model.language_model.layers.{layer}.mlp.", DEEPSEEK, "Step3p7ForConditionalGeneration, in-memory"),
+            Block("model.layers.{layer}.", STEP3P7, "Step3p7ForCausalLM / ForConditionalGeneration", "fused", None),
+            Block(
+                "model.language_model.layers.{layer}.mlp.",
+                DEEPSEEK,
+                "Step3p7ForConditionalGeneration, in-memory names",
+                composite=True,
+            ),
         ),
     ),
     Family(
@@ -570,7 +580,7 @@ FAMILY_RECORDS: tuple[Family, ...] = (
         _gemma4_kind,
         GEMMA4,
         (
-            Block("model.language_model.layers.{layer}.", GEMMA4, "Gemma4ForConditionalGeneration", "fused"),
+            Block("model.language_model.layers.{layer}.", GEMMA4, "Gemma4ForConditionalGeneration", "fused", True),
             Block("model.layers.{layer}.", GEMMA4, "Gemma4ForCausalLM", "fused"),
         ),
     ),
@@ -590,7 +600,11 @@ FAMILY_RECORDS: tuple[Family, ...] = (
         LLAMA4,
         (
             Block(
-                "language_model.model.layers.{layer}.feed_forward.", LLAMA4, "Llama4ForConditionalGeneration", "fused"
+                "language_model.model.layers.{layer}.feed_forward.",
+                LLAMA4,
+                "Llama4ForConditionalGeneration",
+                "fused",
+                True,
             ),
             Block("model.layers.{layer}.feed_forward.", LLAMA4, "Llama4ForCausalLM", "fused"),
         ),
