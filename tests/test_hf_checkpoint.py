@@ -566,8 +566,8 @@ def test_save_layer_checkpoint_class_and_experts(tmp_path):
         hf.save_layer(tmp_path / "dst", 1, params)
 
 
-def test_progress_is_silent_when_output_is_not_interactive(tmp_path, capfd):
+def test_progress_is_silent_when_output_is_not_interactive(tmp_path, capsys):
     write_checkpoint(tmp_path, "olmoe")
     hf.load_layers(tmp_path)
-    out, err = capfd.readouterr()
+    out, err = capsys.readouterr()
     assert out == err == ""
