@@ -243,6 +243,18 @@ CHECKPOINTS = {
             vocab_size=10,
             mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
         ),
+        "model.layers.{layer}.ffn.",
+        _deepseek_v4_block,
+        [0, 1, 2, 3],
+    ),
+    "deepseek_v4_original": (  # the original release's prefix, without model.
+        _text(
+            "deepseek_v4",
+            n_routed_experts=E,
+            moe_intermediate_size=I,
+            vocab_size=10,
+            mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        ),
         "layers.{layer}.ffn.",
         _deepseek_v4_block,
         [0, 1, 2, 3],
@@ -518,19 +530,23 @@ _DECODER_MODULES = {
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_save_layer_writes_the_on_disk_layout(tmp_path, name):
-    """load -> save into a new checkpoint -> the same keys as the original on-disk block, and load gives the same."""
+    """load -> save into a new checkpoint as the same class -> the original on-disk keys, and load gives the same."""
     (tmp_path / "src").mkdir()
     blocks = write_checkpoint(tmp_path / "src", name)
     config, prefix, _, moe_layers = CHECKPOINTS[name]
     layer = moe_layers[0]
+    record = next(f for f in hf.FAMILY_RECORDS if f.name == _family(name))
+    checkpoint_class = next(b.checkpoint for b in record.blocks if b.prefix == prefix)
     cfg, params = hf.load_layer(tmp_path / "src", layer, layout="stacked")
-    shard = hf.save_layer(tmp_path / "dst", layer, params, hf_config=config)
+    shard = hf.save_layer(tmp_path / "dst", layer, params, hf_config=config, checkpoint_class=checkpoint_class)
     written = hf.files.read_file(shard, hf.files.weight_map(shard))
-    original = {prefix.format(layer=layer) + k: v for k, v in blocks[layer].items()}
-    assert set(written) <= set(original)
-    for key in written:
+    block_prefix = prefix.format(layer=layer)
+    original = {block_prefix + k: v for k, v in blocks[layer].items()}
+    for key in set(written) - set(original):  # LongCat: zero rows for the zero experts, as transformers sizes it
+        assert name == "longcat_flash" and int(key.split(".")[-3]) >= E and not written[key].any(), key
+    for key in set(written) & set(original):
         np.testing.assert_array_equal(written[key], original[key], err_msg=key)
-    left_out = {k[len(prefix.format(layer=layer)) :].split(".")[0] for k in set(original) - set(written)}
+    left_out = {k[len(block_prefix) :].split(".")[0] for k in set(original) - set(written)}
     assert left_out <= _DECODER_MODULES  # only the decoder layer's other modules (Gemma-4, Step-3.7) are left out
     cfg2, params2 = hf.load_layer(tmp_path / "dst", layer, layout="stacked")
     assert cfg2 == cfg
@@ -571,3 +587,22 @@ def test_progress_is_silent_when_output_is_not_interactive(tmp_path, capsys):
     hf.load_layers(tmp_path)
     out, err = capsys.readouterr()
     assert out == err == ""
+
+
+@pytest.mark.parametrize(
+    ("name", "kept"),
+    [
+        ("deepseek_v4_original", "layers.1.ffn.gate.weight"),  # the prefix the checkpoint uses, not the default
+        ("gemma4_text", "model.layers.1.self_attn.q_proj.weight"),  # the decoder layer's other modules stay
+        ("step3p7", "model.layers.1.input_layernorm.weight"),
+    ],
+)
+def test_save_layer_in_place_keeps_the_checkpoint_class(tmp_path, name, kept):
+    write_checkpoint(tmp_path, name)
+    _, params = hf.load_layer(tmp_path, 1, layout="stacked")
+    before = hf.files.weight_map(tmp_path)
+    hf.save_layer(tmp_path, 1, params)
+    after = hf.files.weight_map(tmp_path)
+    assert kept in after
+    assert set(after) == set(before)  # the same keys, the block's now in its own shard
+    _assert_params_equal(hf.load_layer(tmp_path, 1, layout="stacked")[1], params)

@@ -279,14 +279,19 @@ def layer_tensors(
 ) -> dict[str, np.ndarray]:
     """The block of `layer_idx` as a checkpoint holds it: full keys (with the block prefix) -> numpy arrays.
 
-    `checkpoint_class` picks one of the family record's checkpoint classes (default: the first, what transformers
-    saves for the text model); `experts` overrides how that class stores the routed experts.
+    `checkpoint_class` picks one of the family record's checkpoint classes (default: the first that goes with
+    `hf_config`, text or multimodal); `experts` overrides how that class stores the routed experts.
     """
     family, _ = family_config(hf_config)
-    cfg = config_from_hf(hf_config, layer_idx)
     block = _block_for(family, checkpoint_class, is_composite(hf_config))
+    return _block_tensors(params, config_from_hf(hf_config, layer_idx), block, layer_idx, experts)
+
+
+def _block_tensors(
+    params: MoEParams, cfg: MoEConfig, block: Block, layer: int, experts: Literal["fused", "per_expert"] | None
+) -> dict[str, np.ndarray]:
     relative = params_to_hf(params, cfg, experts or block.experts, key_layout=block.layout)
-    prefix = block.at(layer_idx)
+    prefix = block.at(layer)
     return {prefix + key: np.ascontiguousarray(value) for key, value in relative.items()}
 
 
@@ -301,35 +306,49 @@ def save_layer(
 ) -> str:
     """Write the MoE block of `layer_idx` into a checkpoint directory, in the family's on-disk layout.
 
-    The block goes to its own shard `model-moejax-layer-{L:05d}.safetensors` and `model.safetensors.index.json`
-    is written or updated (created from the existing `.safetensors` files if there was none); tensors of the same
-    block already in other shards are removed from them, so transformers' `from_pretrained` and `load_layer` see
-    the new block only. `hf_config` (a transformers config or its dict) is written as `config.json` when given;
-    otherwise the directory's `config.json` is used. Returns the shard's path.
+    The block goes where the checkpoint already keeps that layer's block (else at the prefix of
+    `checkpoint_class`, by default the first class of the family record that goes with the config), into its own
+    shard `model-moejax-layer-{L:05d}.safetensors`; `model.safetensors.index.json` is written or updated (created
+    from the existing `.safetensors` files if there was none) and the old block's tensors are removed from the
+    other shards, so `from_pretrained` and `load_layer` see the new block only. `hf_config` (a transformers config
+    or its dict) is written as `config.json` when given; otherwise the directory's `config.json` is used.
+    Returns the new shard's path.
     """
     from safetensors.numpy import save_file
 
     path = os.fspath(checkpoint)
     os.makedirs(path, exist_ok=True)
-    config_path = os.path.join(path, CONFIG)
-    if hf_config is not None:
-        config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-        with open(config_path, "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-    elif not os.path.exists(config_path):
-        raise ValueError(f"{path} has no {CONFIG}: pass hf_config")
-    with open(config_path) as f:
-        config = json.load(f)
-    tensors = layer_tensors(params, config, layer_idx, checkpoint_class=checkpoint_class, experts=experts)
-    weight_map = files.weight_map(path) if _has_weights(path) else {}
+    config = _write_or_read_config(path, hf_config)
     family, _ = family_config(config)
-    block_prefix = _block_for(family, checkpoint_class, is_composite(config)).at(layer_idx)
-    _drop_keys(weight_map, [k for k in weight_map if k.startswith(block_prefix)])
+    weight_map = files.weight_map(path) if _has_weights(path) else {}
+    existing = find_block(family, weight_map, layer_idx)
+    if existing is not None and checkpoint_class is None:
+        block = existing
+    else:
+        block = _block_for(family, checkpoint_class, is_composite(config))
+    tensors = _block_tensors(params, config_from_hf(config, layer_idx), block, layer_idx, experts)
+    if existing is not None:
+        prefix = existing.at(layer_idx)
+        owned = [k for k in weight_map if k.startswith(prefix) and existing.layout.owns(k[len(prefix) :])]
+        _drop_keys(weight_map, owned)
     shard = os.path.join(path, f"model-moejax-layer-{layer_idx:05d}.safetensors")
     save_file(tensors, shard)
     weight_map |= dict.fromkeys(tensors, shard)
     _write_index(path, weight_map)
     return shard
+
+
+def _write_or_read_config(path: str, hf_config: Any) -> dict[str, Any]:
+    config_path = os.path.join(path, CONFIG)
+    if hf_config is not None:
+        config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        return config
+    if not os.path.exists(config_path):
+        raise ValueError(f"{path} has no {CONFIG}: pass hf_config")
+    with open(config_path) as f:
+        return json.load(f)
 
 
 def _has_weights(path: str) -> bool:

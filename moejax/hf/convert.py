@@ -117,7 +117,7 @@ def params_to_hf(
     `layout="per_expert"` writes `experts.{e}.{gate,up,down}_proj.weight` (and `.bias` for gpt-oss). The names
     are those of `family`'s in-memory block (or of `key_layout`, e.g. an on-disk layout of a family record);
     without either, transformers' usual names, an error for configs they cannot hold. LongCat's
-    `gate_up_proj` holds the E real experts only.
+    `gate_up_proj` has zero rows for its zero experts, as transformers sizes it.
     """
     if layout not in ("fused", "per_expert"):
         raise ValueError(f"layout={layout!r} is not one of ['fused', 'per_expert']")

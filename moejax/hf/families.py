@@ -542,7 +542,7 @@ FAMILY_RECORDS: tuple[Family, ...] = (
         _step3p7_kind,
         DEEPSEEK,
         (
-            Block("model.layers.{layer}.", STEP3P7, "Step3p7ForCausalLM / ForConditionalGeneration", "fused", None),
+            Block("model.layers.{layer}.", STEP3P7, "Step3p7ForConditionalGeneration", "fused", None),
             Block(
                 "model.language_model.layers.{layer}.mlp.",
                 DEEPSEEK,
@@ -568,8 +568,8 @@ FAMILY_RECORDS: tuple[Family, ...] = (
         _deepseek_v4_kind,
         DEEPSEEK,
         (
-            Block("layers.{layer}.ffn.", DEEPSEEK_V4, "DeepseekV4ForCausalLM (original release layout)"),
-            Block("model.layers.{layer}.ffn.", DEEPSEEK_V4, "DeepseekV4ForCausalLM, model.-prefixed"),
+            Block("model.layers.{layer}.ffn.", DEEPSEEK_V4, "DeepseekV4ForCausalLM"),
+            Block("layers.{layer}.ffn.", DEEPSEEK_V4, "DeepseekV4ForCausalLM, original release prefix"),
             Block(_MLP, DEEPSEEK, "DeepseekV4ForCausalLM, in-memory names", "fused"),
         ),
     ),

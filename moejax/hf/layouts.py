@@ -61,6 +61,10 @@ class KeyLayout:
     zero_expert_rows: bool = False
     identify: tuple[str, ...] = ()
 
+    def owns(self, key: str) -> bool:
+        """Whether a key under the block prefix belongs to the block (not one of the `ignored` modules beside it)."""
+        return not any(key == p or key.startswith(p + ".") for p in self.ignored)
+
     def matches(self, keys: set[str] | frozenset[str]) -> bool:
         """Whether a block's keys are in this layout (its router key and identifying keys present)."""
         return self.router in keys and all(k in keys for k in self.identify)
@@ -312,8 +316,25 @@ def block_to_hf(
     if experts == "per_expert":
         if layout.experts == "stacked_moe":
             raise ValueError(f"the {layout.name} layout stores experts stacked: per-expert keys do not exist there")
-        return hf | _per_expert_to_hf(flat, layout, cfg)
-    return hf | _fused_to_hf(flat, layout)
+        hf |= _per_expert_to_hf(flat, layout, cfg)
+    else:
+        hf |= _fused_to_hf(flat, layout)
+    return hf | _zero_expert_rows(hf, layout, cfg) if layout.zero_expert_rows else hf
+
+
+def _zero_expert_rows(hf: dict[str, np.ndarray], layout: KeyLayout, cfg: MoEConfig) -> dict[str, np.ndarray]:
+    """LongCat's gate_up_proj has rows for the zero experts too (never used; FAMILIES.md §19.2): transformers
+    refuses a checkpoint without them, so they are written as zeros."""
+    zeros = cfg.num_zero_experts
+    if "experts.gate_up_proj" in hf:
+        gate_up = hf["experts.gate_up_proj"]
+        return {"experts.gate_up_proj": np.concatenate([gate_up, np.zeros((zeros, *gate_up.shape[1:]), gate_up.dtype)])}
+    pad = {}
+    for e in range(cfg.num_experts, cfg.num_selectable):
+        for name in layout.expert_names[:2]:
+            weight = hf[f"experts.0.{name}.weight"]
+            pad[f"experts.{e}.{name}.weight"] = np.zeros_like(weight)
+    return pad
 
 
 def _fused_to_hf(flat: dict[str, np.ndarray], layout: KeyLayout) -> dict[str, np.ndarray]:
