@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from moejax.config import MoEConfig
-from moejax.hf import files
+from moejax.hf import files as shards
 from moejax.hf.configs import config_from_hf, family_config, is_composite, layer_kind, moe_layer_indices
 from moejax.hf.convert import layout_of, params_from_layout, params_to_hf
 from moejax.hf.families import Block, Family
@@ -88,7 +88,7 @@ class _Opened:
             self.hf_config = json.load(f)
         self.path = path
         self.family, self.text = family_config(self.hf_config)
-        self.weight_map = files.weight_map(path)
+        self.weight_map = shards.weight_map(path)
 
     def prefixes(self) -> list[str]:
         return moe_prefixes(self.family, self.weight_map)
@@ -160,11 +160,11 @@ def load_layer(
     """
     opened = _Opened(checkpoint)
     cfg, block, keys = opened.block(layer_idx)
-    grouped = files.by_file(opened.weight_map, keys)
-    files.check_files_exist(grouped, f"layer {layer_idx}")
+    grouped = shards.by_file(opened.weight_map, keys)
+    shards.check_files_exist(grouped, f"layer {layer_idx}")
     tensors: dict[str, np.ndarray] = {}
     for path, file_keys in grouped.items():
-        tensors |= files.read_file(path, file_keys)
+        tensors |= shards.read_file(path, file_keys)
     return cfg, _params(cfg, block, layer_idx, tensors, dtype, layout)
 
 
@@ -201,14 +201,14 @@ def load_layers(
         layer_indices = moe_layer_indices(opened.hf_config)
     blocks = {layer: opened.block(layer) for layer in layer_indices}
     pending = {layer: set(keys) for layer, (_, _, keys) in blocks.items()}
-    grouped = files.by_file(opened.weight_map, [k for layer in layer_indices for k in blocks[layer][2]])
-    files.check_files_exist(grouped, f"layers {layer_indices}")
+    grouped = shards.by_file(opened.weight_map, [k for layer in layer_indices for k in blocks[layer][2]])
+    shards.check_files_exist(grouped, f"layers {layer_indices}")
     owner = {key: layer for layer, (_, _, keys) in blocks.items() for key in keys}
     tensors: dict[int, dict[str, np.ndarray]] = {layer: {} for layer in layer_indices}
     loaded: dict[int, tuple[MoEConfig, MoEParams]] = {}
     with _progress(len(grouped), "loading MoE layers") as advance:
         for path, keys in grouped.items():
-            for key, value in files.read_file(path, keys).items():
+            for key, value in shards.read_file(path, keys).items():
                 tensors[owner[key]][key] = value
                 pending[owner[key]].discard(key)
             for layer in [layer for layer in tensors if not pending[layer]]:
@@ -220,7 +220,7 @@ def load_layers(
 
 
 def load_safetensors(
-    files_: str | os.PathLike | Iterable[str | os.PathLike],
+    files: str | os.PathLike | Iterable[str | os.PathLike],
     cfg: MoEConfig,
     prefix: str,
     *,
@@ -230,7 +230,7 @@ def load_safetensors(
     """Load one MoE block from a (sharded) safetensors checkpoint, given its key prefix.
 
     Args:
-      files_: a `.safetensors` file, a list of them, a `model.safetensors.index.json`, or a directory holding an
+      files: a `.safetensors` file, a list of them, a `model.safetensors.index.json`, or a directory holding an
         index (else all its `.safetensors` files). Only the files holding keys under `prefix` are opened and only
         those tensors read.
       cfg: the block's config (see `params_from_hf`).
@@ -242,15 +242,15 @@ def load_safetensors(
     """
     if prefix and not prefix.endswith("."):
         prefix += "."
-    weight_map = files.weight_map(files_)
+    weight_map = shards.weight_map(files)
     keys = [k for k in weight_map if k.startswith(prefix)]
     if not keys:
-        raise ValueError(f"no tensors under prefix {prefix!r} in {files_}")
-    grouped = files.by_file(weight_map, keys)
-    files.check_files_exist(grouped, f"prefix {prefix!r}")
+        raise ValueError(f"no tensors under prefix {prefix!r} in {files}")
+    grouped = shards.by_file(weight_map, keys)
+    shards.check_files_exist(grouped, f"prefix {prefix!r}")
     tensors: dict[str, np.ndarray] = {}
     for path, file_keys in grouped.items():
-        tensors |= files.read_file(path, file_keys)
+        tensors |= shards.read_file(path, file_keys)
     sd = StateDict({key[len(prefix) :]: value for key, value in tensors.items()})
     return params_from_layout(sd, cfg, layout_of(sd.raw, family), layout)
 
@@ -320,7 +320,7 @@ def save_layer(
     os.makedirs(path, exist_ok=True)
     config = _write_or_read_config(path, hf_config)
     family, _ = family_config(config)
-    weight_map = files.weight_map(path) if _has_weights(path) else {}
+    weight_map = shards.weight_map(path) if _has_weights(path) else {}
     existing = find_block(family, weight_map, layer_idx)
     if existing is not None and checkpoint_class is None:
         block = existing
@@ -352,18 +352,18 @@ def _write_or_read_config(path: str, hf_config: Any) -> dict[str, Any]:
 
 
 def _has_weights(path: str) -> bool:
-    return os.path.exists(os.path.join(path, files.INDEX)) or any(f.endswith(".safetensors") for f in os.listdir(path))
+    return os.path.exists(os.path.join(path, shards.INDEX)) or any(f.endswith(".safetensors") for f in os.listdir(path))
 
 
 def _drop_keys(weight_map: dict[str, str], keys: list[str]) -> None:
     """Remove `keys` from the map and from their shards (each affected shard rewritten without them)."""
     from safetensors.numpy import save_file
 
-    for shard, drop in files.by_file(weight_map, keys).items():
-        _, head = files.header(shard)
+    for shard, drop in shards.by_file(weight_map, keys).items():
+        _, head = shards.header(shard)
         metadata = head.get("__metadata__")
         kept = [k for k in head if k != "__metadata__" and k not in drop]
-        tensors = files.read_file(shard, kept)
+        tensors = shards.read_file(shard, kept)
         for key in drop:
             del weight_map[key]
         if tensors:
@@ -376,5 +376,5 @@ def _write_index(path: str, weight_map: dict[str, str]) -> None:
     relative = {key: os.path.relpath(file, path) for key, file in sorted(weight_map.items())}
     total = sum(os.path.getsize(os.path.join(path, f)) for f in set(relative.values()))
     index = {"metadata": {"total_size": total}, "weight_map": relative}
-    with open(os.path.join(path, files.INDEX), "w") as f:
+    with open(os.path.join(path, shards.INDEX), "w") as f:
         json.dump(index, f, indent=2)

@@ -23,6 +23,7 @@ from moejax.weights import Layout, from_host
 
 
 def _family_layouts(family: str | None) -> tuple[KeyLayout, ...]:
+    """`family`'s layouts, in-memory first (all layouts for None); ValueError for an unknown family."""
     if family is None:
         return LAYOUTS
     if family not in BY_NAME:
@@ -124,5 +125,5 @@ def params_to_hf(
     check_params(params, cfg)
     flat = {name: np.asarray(value) for name, value in flatten(with_experts_layout(params, "stacked")).items()}
     if key_layout is None:
-        key_layout = BY_NAME[family].memory if family is not None else _default_write_layout(cfg, flat)
+        key_layout = _family_layouts(family)[0] if family is not None else _default_write_layout(cfg, flat)
     return block_to_hf(flat, key_layout, cfg, layout)
