@@ -391,13 +391,18 @@ def test_load_layers_reads_each_shard_once(tmp_path, monkeypatch):
     _assert_params_equal(chosen[0][1], layers[2][1])
 
 
-def test_load_layer_reads_only_the_block(tmp_path, monkeypatch):
-    write_checkpoint(tmp_path, "mixtral")
+@pytest.mark.parametrize(
+    ("name", "layer", "block"),
+    [("mixtral", 2, "model.layers.2.block_sparse_moe."), ("gemma4_text", 2, "model.layers.2.")],
+)
+def test_load_layer_reads_only_the_block(tmp_path, monkeypatch, name, layer, block):
+    write_checkpoint(tmp_path, name)
     asked = []
     read_file = hf.files.read_file
     monkeypatch.setattr(hf.files, "read_file", lambda path, keys: asked.extend(keys) or read_file(path, keys))
-    hf.load_layer(tmp_path, 2)
-    assert asked and all(k.startswith("model.layers.2.block_sparse_moe.") for k in asked)
+    hf.load_layer(tmp_path, layer)
+    assert asked and all(k.startswith(block) for k in asked)
+    assert not any(k.startswith((f"{block}self_attn.", f"{block}mlp.")) for k in asked)  # Gemma-4's other modules
 
 
 def test_single_file_checkpoint_and_dtype(tmp_path):

@@ -107,7 +107,8 @@ class _Opened:
             looked = ", ".join(f"{b.at(layer)}{b.layout.router} ({b.checkpoint})" for b in self.family.blocks)
             raise ValueError(f"{what}: no MoE block found; looked for {looked}; {_listing(self.prefixes())}")
         prefix = block.at(layer)
-        keys = [k for k in self.weight_map if k.startswith(prefix)]
+        # Under a decoder-layer prefix (Gemma-4, Step-3.7) the layer's other modules are not read.
+        keys = [k for k in self.weight_map if k.startswith(prefix) and block.layout.owns(k[len(prefix) :])]
         return config_from_hf(self.hf_config, layer), block, keys
 
 
