@@ -851,13 +851,13 @@ def test_params_to_hf_round_trip(family, layout):
         else:
             flat[name] = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     params = unflatten(flat)
-    written = hf.params_to_hf(params, cfg, layout)
-    back = hf.params_from_hf(written, cfg, layout="stacked")
+    written = hf.params_to_hf(params, cfg, layout, family=family)
+    back = hf.params_from_hf(written, cfg, layout="stacked", family=family)
     jax.tree.map(np.testing.assert_array_equal, params, back)
     # The per-expert (CPU) layout writes the same checkpoint and loads back per-expert.
     per_expert = with_experts_layout(params, "per_expert")
-    chex.assert_trees_all_equal(hf.params_to_hf(per_expert, cfg, layout), written)
-    chex.assert_trees_all_equal(hf.params_from_hf(written, cfg, layout="per_expert"), per_expert)
+    chex.assert_trees_all_equal(hf.params_to_hf(per_expert, cfg, layout, family=family), written)
+    chex.assert_trees_all_equal(hf.params_from_hf(written, cfg, layout="per_expert", family=family), per_expert)
 
 
 # -- gpt-oss MXFP4 -------------------------------------------------------------------------------------------
@@ -954,6 +954,20 @@ def test_quantized_keys_are_not_silently_dropped():
         hf.params_from_hf(case.other | scales, case.cfg)
 
 
+def test_layout_found_from_the_keys_or_named_by_family():
+    case = case_gpt_oss(np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"holds no router key of any family's layout \(one of \['gate\.weight'"):
+        hf.params_from_hf({"foo.weight": np.zeros((6, H), np.float32)}, case.cfg)
+    with pytest.raises(ValueError, match=r"holds no router key of the llama4 layouts \(one of \['router\.weight'\]"):
+        hf.params_from_hf({"gate.weight": case.fused["router.weight"]}, case.cfg, family="llama4")
+    with pytest.raises(ValueError, match=r"unknown family 'gpt-oss'; known families: mixtral"):
+        hf.params_from_hf(case.fused, case.cfg, family="gpt-oss")
+    params = hf.params_from_hf(case.fused, case.cfg)
+    with pytest.raises(ValueError, match=r"params_to_hf needs family= for this config.*router\.bias"):
+        hf.params_to_hf(params, case.cfg)
+    assert hf.params_to_hf(params, case.cfg, family="gpt_oss").keys() == case.fused.keys()
+
+
 def test_hash_table_out_of_range():
     case = _case_deepseek_v4(np.random.default_rng(0), 0)
     bad = case.other | {"gate.tid2eid": case.other["gate.tid2eid"] + 6}
@@ -998,6 +1012,8 @@ def test_load_safetensors_one_layer(tmp_path, qwen_layers, dtype):
         got = hf.load_safetensors(source, cfg, "model.layers.1.mlp", layout="stacked")
         assert got.experts.gate.dtype == jnp.dtype(dtype)
         jax.tree.map(np.testing.assert_array_equal, got, want)
+    by_keyword = hf.load_safetensors(files=tmp_path, cfg=cfg, prefix="model.layers.1.mlp.", layout="stacked")
+    jax.tree.map(np.testing.assert_array_equal, by_keyword, want)
     # On a CPU backend the default is the per-expert layout, each expert's arrays their own buffers.
     got = hf.load_safetensors(tmp_path, cfg, "model.layers.1.mlp")
     assert isinstance(got.experts, moejax.weights.PerExpert)
@@ -1012,7 +1028,7 @@ def test_read_file_returns_what_was_written(tmp_path, dtype):
     tensors = {"a": rng.standard_normal((3, 5)).astype(dtype), "b": rng.standard_normal((4,)).astype(dtype)}
     path = str(tmp_path / "x.safetensors")
     save_file(tensors, path)
-    got = hf._read_file(path, ["b", "a"])
+    got = hf.files.read_file(path, ["b", "a"])
     for key, want in tensors.items():
         assert got[key].dtype == want.dtype
         np.testing.assert_array_equal(got[key].view(np.uint8), want.view(np.uint8))

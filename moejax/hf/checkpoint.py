@@ -1,0 +1,381 @@
+"""Whole checkpoints: one call from a transformers-saved directory to a layer's `(MoEConfig, MoEParams)`, and back.
+
+`load_layer(dir, L)` reads `config.json`, takes the family record of its `model_type`, finds which of the
+record's checkpoint classes the directory holds (the block prefix whose router key is present for layer L),
+and reads that block's tensors alone, shard by shard. `load_layers` does every MoE layer, reading each shard
+once. `save_layer` writes a block back under the family's on-disk keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal
+
+import ml_dtypes
+import numpy as np
+
+from moejax.config import MoEConfig
+from moejax.hf import files as shards
+from moejax.hf.configs import config_from_hf, family_config, is_composite, layer_kind, moe_layer_indices
+from moejax.hf.convert import layout_of, params_from_layout, params_to_hf
+from moejax.hf.families import Block, Family
+from moejax.hf.layouts import StateDict
+from moejax.params import MoEParams
+from moejax.weights import Layout
+
+CONFIG = "config.json"
+Checkpoint = str | os.PathLike
+
+
+# -- finding blocks --------------------------------------------------------------------------------------------
+
+
+def _block_keys(block: Block) -> tuple[str, ...]:
+    return (block.layout.router, *block.layout.identify)
+
+
+def find_block(family: Family, keys: Mapping[str, Any] | set[str], layer: int) -> Block | None:
+    """The first of the family's checkpoint classes whose block of `layer` is in `keys` (router key present)."""
+    for block in family.blocks:
+        prefix = block.at(layer)
+        if all(prefix + k in keys for k in _block_keys(block)):
+            return block
+    return None
+
+
+def moe_prefixes(family: Family, keys: Iterable[str]) -> list[str]:
+    """Every prefix in `keys` that holds an MoE block of `family` (any checkpoint class), by layer."""
+    patterns = []
+    for block in family.blocks:
+        prefix = re.escape(block.prefix).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
+        patterns.append(re.compile(f"(?P<prefix>{prefix}){re.escape(block.layout.router)}$"))
+    found: dict[str, int] = {}
+    for key in keys:
+        for pattern in patterns:
+            match = pattern.match(key)
+            if match:
+                found[match.group("prefix")] = int(match.group("layer"))
+    return sorted(found, key=lambda p: (found[p], p))
+
+
+def _listing(prefixes: list[str]) -> str:
+    if not prefixes:
+        return "no prefix holds an MoE block of this family"
+    shown = prefixes if len(prefixes) <= 6 else [*prefixes[:3], "...", *prefixes[-2:]]
+    return f"the MoE blocks are at {', '.join(shown)} ({len(prefixes)} in all)"
+
+
+# -- opening a checkpoint --------------------------------------------------------------------------------------
+
+
+class _Opened:
+    """A checkpoint directory: its config, family record and key -> shard map (from the index or the headers)."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        path = os.fspath(checkpoint)
+        if not os.path.isdir(path):
+            raise ValueError(f"checkpoint {path!r} is not a directory (expected config.json and .safetensors files)")
+        config_path = os.path.join(path, CONFIG)
+        if not os.path.exists(config_path):
+            raise ValueError(
+                f"{path} has no {CONFIG}: expected a checkpoint directory as transformers' save_pretrained writes it"
+            )
+        with open(config_path) as f:
+            self.hf_config = json.load(f)
+        self.path = path
+        self.family, self.text = family_config(self.hf_config)
+        self.weight_map = shards.weight_map(path)
+
+    def prefixes(self) -> list[str]:
+        return moe_prefixes(self.family, self.weight_map)
+
+    def block(self, layer: int) -> tuple[MoEConfig, Block, list[str]]:
+        """The layer's config, block and keys, or ValueError naming the layer and where MoE blocks are."""
+        what = f"layer {layer} of {self.path} ({self.text.model_type})"
+        try:
+            kind, reason = layer_kind(self.hf_config, layer)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}; {_listing(self.prefixes())}") from None
+        if kind == "dense":
+            raise ValueError(f"{what} is a dense MLP ({reason}), not an MoE block; {_listing(self.prefixes())}")
+        block = find_block(self.family, self.weight_map, layer)
+        if block is None:
+            looked = ", ".join(f"{b.at(layer)}{b.layout.router} ({b.checkpoint})" for b in self.family.blocks)
+            raise ValueError(f"{what}: no MoE block found; looked for {looked}; {_listing(self.prefixes())}")
+        prefix = block.at(layer)
+        # Under a decoder-layer prefix (Gemma-4, Step-3.7) the layer's other modules are not read.
+        keys = [k for k in self.weight_map if k.startswith(prefix) and block.layout.owns(k[len(prefix) :])]
+        return config_from_hf(self.hf_config, layer), block, keys
+
+
+# -- loading ---------------------------------------------------------------------------------------------------
+
+
+# The dtypes `dtype=` converts: not float8 (quantized data, meaningless without its scales) nor integers.
+_CASTABLE = frozenset(np.dtype(t) for t in (np.float64, np.float32, np.float16, ml_dtypes.bfloat16))
+
+
+def _cast(tensors: dict[str, np.ndarray], dtype: Any, keep: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Floating tensors in `dtype`, except `keep` (the correction bias stays float32 as in transformers)."""
+    if dtype is None:
+        return tensors
+    dtype = np.dtype(dtype)
+    return {k: v.astype(dtype) if v.dtype in _CASTABLE and k not in keep else v for k, v in tensors.items()}
+
+
+def _params(
+    cfg: MoEConfig, block: Block, layer: int, tensors: dict[str, np.ndarray], dtype: Any, layout: Layout
+) -> MoEParams:
+    prefix = block.at(layer)
+    relative = {key[len(prefix) :]: value for key, value in tensors.items()}
+    relative = _cast(relative, dtype, block.layout.correction)
+    try:
+        return params_from_layout(StateDict(relative), cfg, block.layout, layout)
+    except ValueError as e:
+        raise ValueError(f"layer {layer} ({block.checkpoint}, prefix {prefix!r}): {e}") from None
+
+
+def load_layer(
+    checkpoint: Checkpoint, layer_idx: int, *, dtype: Any = None, layout: Layout = "auto"
+) -> tuple[MoEConfig, MoEParams]:
+    """The MoE block of decoder layer `layer_idx` of a transformers checkpoint directory, in one call.
+
+    Args:
+      checkpoint: a directory holding `config.json` and the safetensors weights (one file or shards with
+        `model.safetensors.index.json`), as `save_pretrained` writes them, of any family in `moejax.FAMILIES`
+        (text-only or multimodal classes).
+      layer_idx: the decoder layer.
+      dtype: cast the block's floating tensors to this dtype (e.g. `jnp.bfloat16`); None keeps the stored ones.
+        The correction bias stays float32.
+      layout: the routed experts' layout (`moejax.weights`), as in `params_from_hf`.
+    Returns:
+      (the block's `MoEConfig`, its `MoEParams`). Only the block's tensors are read, file by file.
+    Raises:
+      ValueError: not a checkpoint directory, an unsupported model_type, a layer out of range or without an MoE
+        block, keys that match no checkpoint class of the family, a shard missing; the message names the layer and
+        lists the prefixes that do hold an MoE block.
+    """
+    opened = _Opened(checkpoint)
+    cfg, block, keys = opened.block(layer_idx)
+    grouped = shards.by_file(opened.weight_map, keys)
+    shards.check_files_exist(grouped, f"layer {layer_idx}")
+    tensors: dict[str, np.ndarray] = {}
+    for path, file_keys in grouped.items():
+        tensors |= shards.read_file(path, file_keys)
+    return cfg, _params(cfg, block, layer_idx, tensors, dtype, layout)
+
+
+@contextlib.contextmanager
+def _progress(total: int, description: str) -> Iterator[Any]:
+    """A rich progress bar on a terminal or in a notebook; silent (None) when output is not interactive."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(stderr=True)
+    if not (console.is_terminal or console.is_jupyter):
+        yield None
+        return
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda label: bar.update(task, advance=1, description=f"{description} {label}")
+
+
+def load_layers(
+    checkpoint: Checkpoint,
+    layer_indices: list[int] | None = None,
+    *,
+    dtype: Any = None,
+    layout: Layout = "auto",
+) -> list[tuple[MoEConfig, MoEParams]]:
+    """`load_layer` for several layers (default: every MoE layer, `moe_layer_indices`), each shard read once.
+
+    Shards are read in the order the layers need them; a layer is converted as soon as all its tensors are in,
+    so at most the layers spanning the current shard are held on the host. A progress bar is shown on a
+    terminal or in a notebook (silent when output is not interactive).
+    """
+    opened = _Opened(checkpoint)
+    if layer_indices is None:
+        layer_indices = moe_layer_indices(opened.hf_config)
+    blocks = {layer: opened.block(layer) for layer in layer_indices}
+    pending = {layer: set(keys) for layer, (_, _, keys) in blocks.items()}
+    grouped = shards.by_file(opened.weight_map, [k for layer in layer_indices for k in blocks[layer][2]])
+    shards.check_files_exist(grouped, f"layers {layer_indices}")
+    owner = {key: layer for layer, (_, _, keys) in blocks.items() for key in keys}
+    tensors: dict[int, dict[str, np.ndarray]] = {layer: {} for layer in layer_indices}
+    loaded: dict[int, tuple[MoEConfig, MoEParams]] = {}
+    with _progress(len(grouped), "loading MoE layers") as advance:
+        for path, keys in grouped.items():
+            for key, value in shards.read_file(path, keys).items():
+                tensors[owner[key]][key] = value
+                pending[owner[key]].discard(key)
+            for layer in [layer for layer in tensors if not pending[layer]]:
+                cfg, block, _ = blocks[layer]
+                loaded[layer] = (cfg, _params(cfg, block, layer, tensors.pop(layer), dtype, layout))
+            if advance is not None:
+                advance(os.path.basename(path))
+    return [loaded[layer] for layer in layer_indices]
+
+
+def load_safetensors(
+    files: str | os.PathLike | Iterable[str | os.PathLike],
+    cfg: MoEConfig,
+    prefix: str,
+    *,
+    layout: Layout = "auto",
+    family: str | None = None,
+) -> MoEParams:
+    """Load one MoE block from a (sharded) safetensors checkpoint, given its key prefix.
+
+    Args:
+      files: a `.safetensors` file, a list of them, a `model.safetensors.index.json`, or a directory holding an
+        index (else all its `.safetensors` files). Only the files holding keys under `prefix` are opened and only
+        those tensors read.
+      cfg: the block's config (see `params_from_hf`).
+      prefix: the block's key prefix, e.g. `"model.layers.3.mlp."` (a missing trailing dot is added); for
+        Gemma-4 and Step-3.7 checkpoints the decoder layer's, e.g. `"model.layers.3."`. `load_layer` finds it.
+      family: as in `params_from_hf`.
+    Returns:
+      `params_from_hf` of the tensors under `prefix`, with the prefix stripped.
+    """
+    if prefix and not prefix.endswith("."):
+        prefix += "."
+    weight_map = shards.weight_map(files)
+    keys = [k for k in weight_map if k.startswith(prefix)]
+    if not keys:
+        raise ValueError(f"no tensors under prefix {prefix!r} in {files}")
+    grouped = shards.by_file(weight_map, keys)
+    shards.check_files_exist(grouped, f"prefix {prefix!r}")
+    tensors: dict[str, np.ndarray] = {}
+    for path, file_keys in grouped.items():
+        tensors |= shards.read_file(path, file_keys)
+    sd = StateDict({key[len(prefix) :]: value for key, value in tensors.items()})
+    return params_from_layout(sd, cfg, layout_of(sd.raw, family), layout)
+
+
+# -- saving ----------------------------------------------------------------------------------------------------
+
+
+def _block_for(family: Family, checkpoint_class: str | None, composite: bool) -> Block:
+    """The named checkpoint class, or the first one that goes with a composite (multimodal) or text config."""
+    if checkpoint_class is None:
+        return next(b for b in family.blocks if b.composite in (None, composite))
+    for block in family.blocks:
+        if block.checkpoint == checkpoint_class:
+            return block
+    known = [b.checkpoint for b in family.blocks]
+    raise ValueError(f"{family.name} has no checkpoint class {checkpoint_class!r}; known: {known}")
+
+
+def layer_tensors(
+    params: MoEParams,
+    hf_config: Any,
+    layer_idx: int,
+    *,
+    checkpoint_class: str | None = None,
+    experts: Literal["fused", "per_expert"] | None = None,
+) -> dict[str, np.ndarray]:
+    """The block of `layer_idx` as a checkpoint holds it: full keys (with the block prefix) -> numpy arrays.
+
+    `checkpoint_class` picks one of the family record's checkpoint classes (default: the first that goes with
+    `hf_config`, text or multimodal); `experts` overrides how that class stores the routed experts.
+    """
+    family, _ = family_config(hf_config)
+    block = _block_for(family, checkpoint_class, is_composite(hf_config))
+    return _block_tensors(params, config_from_hf(hf_config, layer_idx), block, layer_idx, experts)
+
+
+def _block_tensors(
+    params: MoEParams, cfg: MoEConfig, block: Block, layer: int, experts: Literal["fused", "per_expert"] | None
+) -> dict[str, np.ndarray]:
+    relative = params_to_hf(params, cfg, experts or block.experts, key_layout=block.layout)
+    prefix = block.at(layer)
+    return {prefix + key: np.ascontiguousarray(value) for key, value in relative.items()}
+
+
+def save_layer(
+    checkpoint: Checkpoint,
+    layer_idx: int,
+    params: MoEParams,
+    *,
+    hf_config: Any = None,
+    checkpoint_class: str | None = None,
+    experts: Literal["fused", "per_expert"] | None = None,
+) -> str:
+    """Write the MoE block of `layer_idx` into a checkpoint directory, in the family's on-disk layout.
+
+    The block goes where the checkpoint already keeps that layer's block (else at the prefix of
+    `checkpoint_class`, by default the first class of the family record that goes with the config), into its own
+    shard `model-moejax-layer-{L:05d}.safetensors`; `model.safetensors.index.json` is written or updated (created
+    from the existing `.safetensors` files if there was none) and the old block's tensors are removed from the
+    other shards, so `from_pretrained` and `load_layer` see the new block only. `hf_config` (a transformers config
+    or its dict) is written as `config.json` when given; otherwise the directory's `config.json` is used.
+    Returns the new shard's path.
+    """
+    from safetensors.numpy import save_file
+
+    path = os.fspath(checkpoint)
+    os.makedirs(path, exist_ok=True)
+    config = _write_or_read_config(path, hf_config)
+    family, _ = family_config(config)
+    weight_map = shards.weight_map(path) if _has_weights(path) else {}
+    existing = find_block(family, weight_map, layer_idx)
+    if existing is not None and checkpoint_class is None:
+        block = existing
+    else:
+        block = _block_for(family, checkpoint_class, is_composite(config))
+    tensors = _block_tensors(params, config_from_hf(config, layer_idx), block, layer_idx, experts)
+    if existing is not None:
+        prefix = existing.at(layer_idx)
+        owned = [k for k in weight_map if k.startswith(prefix) and existing.layout.owns(k[len(prefix) :])]
+        _drop_keys(weight_map, owned)
+    shard = os.path.join(path, f"model-moejax-layer-{layer_idx:05d}.safetensors")
+    save_file(tensors, shard)
+    weight_map |= dict.fromkeys(tensors, shard)
+    _write_index(path, weight_map)
+    return shard
+
+
+def _write_or_read_config(path: str, hf_config: Any) -> dict[str, Any]:
+    config_path = os.path.join(path, CONFIG)
+    if hf_config is not None:
+        config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        return config
+    if not os.path.exists(config_path):
+        raise ValueError(f"{path} has no {CONFIG}: pass hf_config")
+    with open(config_path) as f:
+        return json.load(f)
+
+
+def _has_weights(path: str) -> bool:
+    return os.path.exists(os.path.join(path, shards.INDEX)) or any(f.endswith(".safetensors") for f in os.listdir(path))
+
+
+def _drop_keys(weight_map: dict[str, str], keys: list[str]) -> None:
+    """Remove `keys` from the map and from their shards (each affected shard rewritten without them)."""
+    from safetensors.numpy import save_file
+
+    for shard, drop in shards.by_file(weight_map, keys).items():
+        _, head = shards.header(shard)
+        metadata = head.get("__metadata__")
+        kept = [k for k in head if k != "__metadata__" and k not in drop]
+        tensors = shards.read_file(shard, kept)
+        for key in drop:
+            del weight_map[key]
+        if tensors:
+            save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, shard, metadata=metadata)
+        else:
+            os.remove(shard)
+
+
+def _write_index(path: str, weight_map: dict[str, str]) -> None:
+    relative = {key: os.path.relpath(file, path) for key, file in sorted(weight_map.items())}
+    total = sum(os.path.getsize(os.path.join(path, f)) for f in set(relative.values()))
+    index = {"metadata": {"total_size": total}, "weight_map": relative}
+    with open(os.path.join(path, shards.INDEX), "w") as f:
+        json.dump(index, f, indent=2)

@@ -1,0 +1,129 @@
+"""The tensors of one MoE block (a state dict relative to the block) <-> `MoEParams`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.config import MoEConfig, SharedExpert
+from moejax.hf.families import BY_NAME, DEEPSEEK, LAYOUTS, QWEN, KeyLayout
+from moejax.hf.layouts import (
+    StateDict,
+    block_to_hf,
+    experts_from_hf,
+    ignored_keys,
+    router_from_hf,
+    shared_from_hf,
+)
+from moejax.params import MoEParams, check_params, flatten, unflatten, with_experts_layout
+from moejax.weights import Layout, from_host
+
+
+def _family_layouts(family: str | None) -> tuple[KeyLayout, ...]:
+    """`family`'s layouts, in-memory first (all layouts for None); ValueError for an unknown family."""
+    if family is None:
+        return LAYOUTS
+    if family not in BY_NAME:
+        raise ValueError(f"unknown family {family!r}; known families: {', '.join(BY_NAME)}")
+    return BY_NAME[family].layouts
+
+
+def layout_of(keys: Any, family: str | None = None) -> KeyLayout:
+    """The key layout a block's keys are in: among `family`'s layouts (all layouts when None), the one whose router
+    key (and identifying keys) are present. Layouts that read alike (same router key) count as one."""
+    keys = frozenset(keys)
+    candidates = [layout for layout in _family_layouts(family) if layout.matches(keys)]
+    routers = {layout.router for layout in candidates}
+    if len(routers) == 1 and len({layout.experts for layout in candidates}) == 1:
+        return candidates[0]
+    known = sorted({layout.router for layout in _family_layouts(family)})
+    where = f"the {family} layouts" if family else "any family's layout"
+    if not candidates:
+        raise ValueError(f"state dict holds no router key of {where} (one of {known}); keys: {sorted(keys)[:8]}")
+    names = [layout.name for layout in candidates]
+    raise ValueError(f"state dict keys fit several layouts {names}: pass family= to params_from_hf")
+
+
+def params_from_hf(
+    state_dict: Mapping[str, Any], cfg: MoEConfig, *, layout: Layout = "auto", family: str | None = None
+) -> MoEParams:
+    """Convert the Hugging Face tensors of one MoE block into `MoEParams` (moejax's layout, dtypes kept).
+
+    Args:
+      state_dict: key -> array (numpy, jax, torch or anything with `__array__`), keys relative to the block
+        (`gate.weight`, `experts.gate_up_proj`, ...); for Gemma-4 and Step-3.7's on-disk layout, relative to
+        the decoder layer (`router.proj.weight`, `moe.gate_proj.weight`). Accepted expert layouts: the fused
+        in-memory tensors of transformers, the per-expert keys `experts.{e}.{gate,up,down}_proj.weight`
+        (or `w1/w3/w2`; with `.bias` for gpt-oss), Step-3.7's stacked `moe.*`, and gpt-oss's MXFP4 blocks
+        (dequantized to bfloat16).
+      cfg: the block's config, e.g. from `config_from_hf`.
+      layout: the routed experts' layout (`moejax.weights`): "auto" is per-expert on a CPU backend (what
+        XLA:CPU reads in place), stacked elsewhere.
+      family: the moejax family (`moejax.FAMILIES`) whose key layouts to read; None: the layout is found from
+        the keys (its router key), an error when they fit several.
+    Returns:
+      `MoEParams` with weights `[in, out]`, gate and up apart. Arrays keep their dtype, except the correction
+      bias (float32), the hash table (int32) and MXFP4 experts (bfloat16).
+    Raises:
+      ValueError: a missing key, an unexpected key (keys the family legitimately leaves unused are ignored by
+        name), or a mis-shaped tensor; the message names the key and the expected and actual shapes.
+      NotImplementedError: quantized tensors other than gpt-oss's MXFP4 (FP8 block scales, ...).
+    """
+    if not isinstance(cfg, MoEConfig):
+        raise TypeError(f"cfg must be a moejax.MoEConfig, got {type(cfg).__name__}")
+    sd = StateDict(state_dict)
+    key_layout = layout_of(sd.raw, family)
+    return params_from_layout(sd, cfg, key_layout, layout)
+
+
+def params_from_layout(sd: StateDict, cfg: MoEConfig, key_layout: KeyLayout, layout: Layout = "auto") -> MoEParams:
+    """`params_from_hf` for a known key layout."""
+    flat = router_from_hf(sd, key_layout, cfg)
+    fmt, expert_fields = experts_from_hf(sd, key_layout, cfg)
+    if cfg.shared_expert is not SharedExpert.NONE:
+        flat |= shared_from_hf(sd, key_layout, cfg)
+    if cfg.expert_prenorm:
+        flat["expert_norm"] = sd.take("pre_feedforward_layernorm_2.weight", (cfg.hidden_size,))
+    sd.check_all_used(ignored_keys(key_layout, cfg), cfg)
+    experts = from_host(expert_fields, fmt, layout)
+    params = unflatten({name: jnp.asarray(value) for name, value in flat.items()}, experts=experts)
+    check_params(params, cfg)
+    return params
+
+
+def _default_write_layout(cfg: MoEConfig, flat: dict[str, np.ndarray]) -> KeyLayout:
+    """Without a family: transformers' usual in-memory names (Qwen's gated shared expert is singular,
+    DeepSeek's ungated one plural); what those names cannot hold asks for the family."""
+    extra = sorted(n for n in flat if n in ("router.bias", "router.scale", "router.per_expert_scale", "expert_norm"))
+    extra += sorted(n for n in flat if n.startswith("experts.") and n.endswith("_bias"))
+    if extra or cfg.num_zero_experts or cfg.weights_on_input:
+        raise ValueError(f"params_to_hf needs family= for this config (it has {extra or 'a family-specific layout'})")
+    return QWEN if cfg.shared_expert is SharedExpert.SIGMOID_GATED else DEEPSEEK
+
+
+def params_to_hf(
+    params: MoEParams,
+    cfg: MoEConfig,
+    layout: Literal["fused", "per_expert"] = "fused",
+    *,
+    family: str | None = None,
+    key_layout: KeyLayout | None = None,
+) -> dict[str, np.ndarray]:
+    """The inverse of `params_from_hf`: numpy arrays under Hugging Face keys relative to the block.
+
+    `layout="fused"` writes the in-memory tensors of transformers (`experts.gate_up_proj`, ...);
+    `layout="per_expert"` writes `experts.{e}.{gate,up,down}_proj.weight` (and `.bias` for gpt-oss). The names
+    are those of `family`'s in-memory block (or of `key_layout`, e.g. an on-disk layout of a family record);
+    without either, transformers' usual names, an error for configs they cannot hold. LongCat's
+    `gate_up_proj` has zero rows for its zero experts, as transformers sizes it.
+    """
+    if layout not in ("fused", "per_expert"):
+        raise ValueError(f"layout={layout!r} is not one of ['fused', 'per_expert']")
+    check_params(params, cfg)
+    flat = {name: np.asarray(value) for name, value in flatten(with_experts_layout(params, "stacked")).items()}
+    if key_layout is None:
+        key_layout = _family_layouts(family)[0] if family is not None else _default_write_layout(cfg, flat)
+    return block_to_hf(flat, key_layout, cfg, layout)
