@@ -207,8 +207,9 @@ def test_ep_stats_equal_host_stats_in_both_modes_with_and_without_placement():
 # -- the flax module ----------------------------------------------------------------------------------------
 
 
-def _jit_module(layer: nnx.Module, fn):
-    """`fn(module, *args)` jitted over the module's state (FAST compile), updating the module's variables."""
+def _jit_module(layer, fn):
+    """`fn(layer, *args)` jitted over the state of `layer` (a module or a tuple of modules; FAST compile), updating
+    the modules' variables."""
     graphdef = nnx.graphdef(layer)
 
     @functools.partial(jax.jit, compiler_options=FAST)
@@ -228,7 +229,7 @@ def _jit_module(layer: nnx.Module, fn):
 def test_module_collects_stats_over_steps_of_a_jitted_loop():
     cfg, steps = FAMILIES["longcat_flash"], 3
     params, xs, _ = _inputs(cfg, steps=steps, T=6)
-    layer = moejax.MoE(cfg, rngs=nnx.Rngs(0), collect_stats=True)
+    layer = moejax.MoE(cfg, rngs=nnx.Rngs(0), collect_stats=True, layout="stacked")
     layer.load_params(params)
     assert_stats_equal(layer.stats.get_value(), dict.fromkeys(FIELDS, 0))
 
@@ -237,28 +238,30 @@ def test_module_collects_stats_over_steps_of_a_jitted_loop():
             module, ys = carry
             return module, ys.at[i].set(module(xs[i]))
 
-        return nnx.fori_loop(0, xs.shape[0], body, (module, jnp.zeros_like(xs)))[1]
+        _, ys = nnx.fori_loop(0, xs.shape[0], body, (module, jnp.zeros_like(xs)))
+        collected = module.stats.get_value()
+        return ys, collected, module(xs[0], return_stats=True)  # one more call, with its own statistics
 
-    ys = _jit_module(layer, loop)(xs)
+    ys, collected, (y, stats) = _jit_module(layer, loop)(xs)
     expected = [host_stats(_routed(params, x, cfg), cfg) for x in xs]
-    assert_stats_equal(layer.stats.get_value(), total(expected))
-    y, stats = layer(xs[0], return_stats=True)  # eager: the call's own statistics, and one more step collected
-    np.testing.assert_allclose(y, ys[0], **ULPS)
+    assert_stats_equal(collected, total(expected))
+    np.testing.assert_array_equal(y, ys[0])
     assert_stats_equal(stats, expected[0])
     assert_stats_equal(layer.stats.get_value(), total([*expected, expected[0]]))
-    assert not hasattr(moejax.MoE(cfg, rngs=nnx.Rngs(0)), "stats")
+    assert not hasattr(moejax.MoE(cfg, rngs=nnx.Rngs(0), layout="stacked"), "stats")
 
 
-@pytest.mark.parametrize("mode", parallel.EP_MODES)
-def test_module_with_placement_equals_unplaced(mode):
+def test_module_with_placement_equals_unplaced():
+    """The unplaced layer runs the "replicated" mode, the placed one "all_to_all" (each mode's placed path is
+    checked against the unplaced one in test_placement.py); here: the layer's init, load and call with a placement."""
     cfg, n = EP_CFG, 4
     params, xs, _ = _inputs(cfg, steps=1, T=9)
     x = xs[0]
     load = np.bincount(_routed(params, x, cfg).reshape(-1), minlength=cfg.num_selectable)[: cfg.num_experts]
     placement = balance(load + 1.0, num_devices=n, num_slots=20)
     mesh = _mesh(n)
-    unplaced = moejax.MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh, ep_mode=mode)
-    placed = moejax.MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh, ep_mode=mode, placement=placement, collect_stats=True)
+    unplaced = moejax.MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh, ep_mode="replicated")
+    placed = moejax.MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh, ep_mode="all_to_all", placement=placement, collect_stats=True)
     # the same random weights, laid out by slot: replicas hold copies of their expert
     gate = placed.experts.gate[...]
     assert gate.shape == (20, *unplaced.experts.gate[...].shape[1:]) and gate.sharding.spec == P("expert", None, None)
@@ -269,14 +272,21 @@ def test_module_with_placement_equals_unplaced(mode):
         placed.experts.down[...], np.asarray(params.experts.down)[list(placement.slot_expert)]
     )
 
-    y_unplaced = _jit_module(unplaced, lambda m, x: m(x))(x)
-    y_placed = _jit_module(placed, lambda m, x: m(x))(x)
+    y_unplaced, y_placed = _jit_module((unplaced, placed), lambda layers, x: [layer(x) for layer in layers])(x)
     np.testing.assert_allclose(y_placed, y_unplaced, **ULPS)
-    expected = host_stats(_routed(params, x, cfg), cfg, n=n, mode=mode, placement=placement)
+    expected = host_stats(_routed(params, x, cfg), cfg, n=n, mode="all_to_all", placement=placement)
     assert_stats_equal(placed.stats.get_value(), expected)
 
 
-def test_module_placement_validation():
+def test_module_placement_with_experts_not_divisible_by_devices_and_validation():
+    cfg, n = FAMILIES["longcat_flash"], 8  # E=12 routed experts over 8 devices: 16 slots
+    placement = balance(np.arange(cfg.num_experts) + 1.0, num_devices=n, num_slots=16)
+    layer = moejax.MoE(cfg, rngs=nnx.Rngs(0), mesh=_mesh(n), placement=placement)
+    gate = layer.experts.gate[...]
+    assert gate.shape == (16, cfg.hidden_size, cfg.intermediate_size) and gate.sharding.spec == P("expert", None, None)
+    logical = moejax.init_params(cfg, nnx.Rngs(0).params(), layout="stacked").experts.gate  # the same draw, eager
+    np.testing.assert_allclose(gate, np.asarray(logical)[list(placement.slot_expert)], **ULPS)
+
     cfg = EP_CFG
     placement = Placement.contiguous(cfg.num_experts, 4)
     with pytest.raises(ValueError, match="placement needs a mesh with the expert axis"):
