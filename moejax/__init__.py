@@ -15,6 +15,7 @@ from moejax.forward import IMPLS, checked_moe_forward, moe_forward
 from moejax.layer import MoE
 from moejax.params import ExpertWeights, MoEParams, RouterParams, SharedParams, init_params
 from moejax.routing import Routing, route
+from moejax.stats import MoEStats
 
 __all__ = [
     "FAMILIES",
@@ -25,6 +26,7 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "MoEParams",
+    "MoEStats",
     "RouterParams",
     "Routing",
     "ScalingTarget",

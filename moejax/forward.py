@@ -17,6 +17,7 @@ from moejax.config import MoEConfig, ScalingTarget
 from moejax.experts import expert_activation, shared_expert_ffn, slots_from_routing
 from moejax.params import MoEParams, SharedParams, check_params
 from moejax.routing import Routing, rms_normalize, route, router_logits
+from moejax.stats import MoEStats, routing_stats
 
 Array = jax.Array
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -48,14 +49,21 @@ def check_inputs(params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array |
 
 
 def moe_forward(
-    params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array | None = None, impl: str = "auto"
-) -> Array:
+    params: MoEParams,
+    x: Array,
+    cfg: MoEConfig,
+    token_ids: Array | None = None,
+    impl: str = "auto",
+    *,
+    return_stats: bool = False,
+) -> Array | tuple[Array, MoEStats]:
     """The MoE block: `x [..., H]` -> `[..., H]` in x's dtype. Pure and jit-able (`cfg`, `impl` static).
 
     1. Route (`moejax.route`).  2. Routed sum `Σ_k w_k·E_k(x_e)` (x_e = x, or Gemma-4's expert pre-norm) by
     `impl` (`moejax.backends`), float32.  3. `× routed_scaling_factor` when it scales the output (Step-3.7).
     4. `+ Σ zero-expert weights · x_e` (LongCat).  5. `+ shared(x_e)`, sigmoid-gated where the family gates it.
     6. Cast to x's dtype. The routed experts may be in either layout (`moejax.weights`): stacked or per-expert.
+    With `return_stats=True`, also the routing statistics of the call (`moejax.stats.MoEStats`, on device).
     """
     check_inputs(params, x, cfg, token_ids)
     flat = x.reshape(-1, cfg.hidden_size)  # [T, H]
@@ -63,7 +71,8 @@ def moe_forward(
     x_e = expert_input(params, flat, cfg)
     routed = run_routed(impl, params.experts, x_e, slots_from_routing(routing, cfg), expert_activation(cfg))
     out = add_once_terms(routed, x_e, routing, params.shared, cfg, float32=impl == "reference")
-    return out.astype(x.dtype).reshape(x.shape)
+    y = out.astype(x.dtype).reshape(x.shape)
+    return (y, routing_stats(routing, cfg)) if return_stats else y
 
 
 def chosen_impl(params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array | None = None, impl: str = "auto") -> str:

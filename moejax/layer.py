@@ -9,7 +9,12 @@ layout, the default on a CPU backend, see `moejax.weights`), `layer.shared.down`
 Under a mesh (`MoE(cfg, rngs=..., mesh=mesh)`), the parameters are created already sharded: their
 `PartitionSpec`s come from the Params' logical sharding names through `moejax.parallel.logical_axis_rules`, and
 a jitted `init_params` with those output shardings lets each device compute only its own shards. When the mesh
-has the expert axis, a call runs `moejax.parallel.moe_forward_ep`.
+has the expert axis, a call runs `moejax.parallel.moe_forward_ep`, with the experts laid out by a
+`moejax.placement.Placement` when one is given (`MoE(..., mesh=mesh, placement=placement)`).
+
+Routing statistics (`moejax.stats.MoEStats`): `layer(x, return_stats=True)` returns them with the output; with
+`collect_stats=True` every call adds them to the layer's `stats` variable (`MoEStatsVariable`, not a parameter),
+so under `nnx.jit` and inside jitted loops (`nnx.fori_loop`, `nnx.scan`) they accumulate on device over steps.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from moejax import parallel
 from moejax.config import MoEConfig
 from moejax.forward import moe_forward
 from moejax.params import BUFFERS, MoEParams, check_params, flatten, init_params, specs_of, unflatten
+from moejax.placement import Placement
+from moejax.stats import MoEStats
 from moejax.weights import LAYOUTS, ExpertFormat, ExpertWeights, Layout, default_layout, format_of, to_layout
 
 Array = jax.Array
@@ -32,6 +39,10 @@ Array = jax.Array
 
 class MoEBuffer(nnx.Variable):
     """A non-trainable array of the layer (correction bias, token-id table)."""
+
+
+class MoEStatsVariable(nnx.Variable):
+    """The routing statistics a `MoE(..., collect_stats=True)` accumulates (a `MoEStats` value)."""
 
 
 class _Group(nnx.Module):
@@ -52,8 +63,14 @@ class MoE(nnx.Module):
       expert_axis, tensor_axis, ep_mode: the mesh axes and the mode ("replicated" | "all_to_all") of the EP call.
       fmt: the routed experts' weight format (`moejax.weights`), dense by default.
       layout: "auto" (per-expert on a CPU backend without a mesh, else stacked), "stacked" or "per_expert".
+      placement: optional `moejax.placement.Placement` over the mesh's expert axis: the experts are held in its
+        slot order (hot experts replicated; `load_params` still takes them in logical order) and calls pass it to
+        `moe_forward_ep`. The initial random weights are drawn with the experts replicated over the expert axis,
+        then laid out by slot.
+      collect_stats: add every call's `MoEStats` to `self.stats` (a `MoEStatsVariable`, starting from zeros).
 
-    `layer(x, token_ids=None)` maps `x [..., H]` to `[..., H]` in x's dtype; works under `nnx.jit`.
+    `layer(x, token_ids=None, *, return_stats=False)` maps `x [..., H]` to `[..., H]` in x's dtype (and the
+    call's `MoEStats` with `return_stats=True`); works under `nnx.jit`.
     """
 
     def __init__(
@@ -69,6 +86,8 @@ class MoE(nnx.Module):
         ep_mode: parallel.EPMode = "replicated",
         fmt: type[ExpertFormat] = ExpertWeights,
         layout: Layout = "auto",
+        placement: Placement | None = None,
+        collect_stats: bool = False,
     ):
         if layout not in LAYOUTS:
             raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
@@ -80,6 +99,13 @@ class MoE(nnx.Module):
         self.ep_mode = ep_mode
         self.fmt = fmt
         self.layout = "stacked" if mesh is not None else (default_layout() if layout == "auto" else layout)
+        self.placement = placement
+        self.collect_stats = collect_stats
+        if collect_stats:
+            n = 1 if self.expert_axis is None else mesh.shape[self.expert_axis]
+            self.stats = MoEStatsVariable(MoEStats.zeros(cfg.num_experts, n))
+        if placement is not None and self.expert_axis is None:
+            raise ValueError(f"placement needs a mesh with the expert axis {expert_axis!r} to place the experts over")
         if mesh is None:
             self.load_params(init_params(cfg, rngs.params(), param_dtype, fmt=fmt, layout=self.layout))
             return
@@ -89,7 +115,7 @@ class MoE(nnx.Module):
             if tensor_axis is not None:
                 raise ValueError(f"tensor_axis={tensor_axis!r} needs expert_axis={expert_axis!r} in the mesh")
         else:
-            parallel.check_mesh(cfg, mesh, expert_axis, tensor_axis)
+            parallel.check_mesh(cfg, mesh, expert_axis, tensor_axis, placement=placement)
         self.load_params(self._init_sharded(rngs.params(), param_dtype))
 
     def _init_sharded(self, key: Array, param_dtype: jnp.dtype) -> MoEParams:
@@ -98,7 +124,9 @@ class MoE(nnx.Module):
         abstract = nnx.eval_shape(
             lambda: MoE(self.cfg, rngs=nnx.Rngs(params=key), param_dtype=param_dtype, fmt=self.fmt, layout="stacked")
         )
-        with nnx.logical_axis_rules(parallel.logical_axis_rules(self.expert_axis, self.tensor_axis)):
+        # With a placement, the logical experts (E need not divide by n) are replicated until laid out by slot.
+        expert_axis = None if self.placement is not None else self.expert_axis
+        with nnx.logical_axis_rules(parallel.logical_axis_rules(expert_axis, self.tensor_axis)):
             specs = nnx.get_partition_spec(nnx.state(abstract))
         shardings = {}
         for path, spec in nnx.to_flat_state(specs):
@@ -122,7 +150,12 @@ class MoE(nnx.Module):
         check_params(params, self.cfg)
         if self.mesh is not None:
             params = parallel.shard_params(
-                params, self.cfg, self.mesh, expert_axis=self.expert_axis, tensor_axis=self.tensor_axis
+                params,
+                self.cfg,
+                self.mesh,
+                expert_axis=self.expert_axis,
+                tensor_axis=self.tensor_axis,
+                placement=self.placement,
             )
         else:
             params = dataclasses.replace(params, experts=to_layout(params.experts, self.layout))
@@ -164,9 +197,22 @@ class MoE(nnx.Module):
             flat["expert_norm"] = expert_norm[...]
         return unflatten(flat, self.fmt)
 
-    def __call__(self, x: Array, token_ids: Array | None = None) -> Array:
+    def __call__(
+        self, x: Array, token_ids: Array | None = None, *, return_stats: bool = False
+    ) -> Array | tuple[Array, MoEStats]:
+        with_stats = return_stats or self.collect_stats
         if self.expert_axis is None:
-            return moe_forward(self.params, x, self.cfg, token_ids, impl=self.impl)
+            result = moe_forward(self.params, x, self.cfg, token_ids, impl=self.impl, return_stats=with_stats)
+        else:
+            result = self._forward_ep(x, token_ids, with_stats)
+        if not with_stats:
+            return result
+        y, stats = result
+        if self.collect_stats:
+            self.stats.set_value(self.stats.get_value() + stats)
+        return (y, stats) if return_stats else y
+
+    def _forward_ep(self, x: Array, token_ids: Array | None, return_stats: bool):
         return parallel.moe_forward_ep(
             self.params,
             x,
@@ -177,4 +223,6 @@ class MoE(nnx.Module):
             mode=self.ep_mode,
             token_ids=token_ids,
             impl=self.impl,
+            return_stats=return_stats,
+            placement=self.placement,
         )

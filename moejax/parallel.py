@@ -64,6 +64,7 @@ from moejax.params import param_specs as array_specs
 from moejax.placement import Placement
 from moejax.plans import grouped_block_rows
 from moejax.routing import Routing, route
+from moejax.stats import MoEStats
 from moejax.weights import ExpertFormat, Experts, ExpertWeights, PerExpert, format_of
 
 Array = jax.Array
@@ -100,7 +101,8 @@ def _match_specs(tree, specs, mesh: Mesh):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class EPStats:
-    """Device-side routing statistics of one `moe_forward_ep` call (n = size of the expert axis).
+    """Device-side routing statistics of one `moe_forward_ep` call (n = size of the expert axis), as the
+    `shard_map` returns them; `moe_forward_ep(..., return_stats=True)` completes them into `moejax.stats.MoEStats`.
 
     "Local" is relative to the device that holds the token: in "replicated" mode every device holds every
     token, so each device's pairs are all local and nothing is sent; in "all_to_all" mode a pair is local
@@ -478,7 +480,7 @@ def moe_forward_ep(
     impl: str = "auto",
     return_stats: bool = False,
     placement: Placement | None = None,
-) -> Array | tuple[Array, EPStats]:
+) -> Array | tuple[Array, MoEStats]:
     """`moejax.moe_forward` with the routed experts split over `expert_axis` of `mesh`. Jit-able.
 
     Args:
@@ -493,12 +495,13 @@ def moe_forward_ep(
         see the module docstring.
       token_ids: `[...]` integer token ids (hash routing).
       impl: routed implementation as in `moe_forward` ("auto" picks the decode plan for at most 8 rows).
-      return_stats: also return `EPStats`.
+      return_stats: also return the call's routing statistics, `moejax.stats.MoEStats` (per-device fields over
+        the expert axis), computed on device.
       placement: a `moejax.placement.Placement` over the expert axis; `params` then hold the experts in its slot
         order (`shard_params(..., placement=placement)`), and each pair runs on one replica of its expert (module
         docstring). Static (hashable): a new placement compiles a new program.
     Returns:
-      `[..., H]` in x's dtype (and `EPStats` when `return_stats`).
+      `[..., H]` in x's dtype (and `MoEStats` when `return_stats`).
 
     Raises:
       ValueError: unknown mode or impl, a mesh axis missing, E not divisible by the expert-axis size (without a
@@ -560,4 +563,7 @@ def moe_forward_ep(
     y = out[:T].astype(x.dtype).reshape(x.shape)
     if _is_explicit(mesh):
         y = jax.sharding.reshard(y, NamedSharding(mesh, jax.typeof(x).sharding.spec))
-    return (y, stats) if return_stats else y
+    if not return_stats:
+        return y
+    counts = {name: getattr(stats, name) for name in ("device_load", "local_pairs", "remote_pairs", "remote_rows")}
+    return y, MoEStats.from_load(stats.expert_load, tokens=T, top_k=cfg.top_k, **counts)
