@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import moejax
 from moejax.experts import Slots, expert_activation, slots_from_routing
 from moejax.plans import union_of_experts
-from moejax.weights import ExpertWeights
+from moejax.weights import ExpertWeights, FusedExpertWeights
 
 FAMILIES = moejax.FAMILIES
 
@@ -135,13 +135,14 @@ def _count_expert_reads(monkeypatch, experts):
     expert_of = {float(v): e for e, v in enumerate(np.asarray(stacked.gate[:, 0, 0]))}
     assert len(expert_of) == stacked.num_experts
     reads = []
-    original = ExpertWeights.gate_up
+    # The per-expert layout keeps dense experts as FusedExpertWeights: gate_up_weight[0, 0] is gate[0, 0].
+    for fmt, first in ((ExpertWeights, lambda w: w.gate[0, 0]), (FusedExpertWeights, lambda w: w.gate_up_weight[0, 0])):
 
-    def counting_gate_up(self, x):
-        jax.debug.callback(lambda v: reads.append(expert_of[float(v)]), self.gate[0, 0])
-        return original(self, x)
+        def counting_gate_up(self, x, original=fmt.gate_up, first=first):
+            jax.debug.callback(lambda v: reads.append(expert_of[float(v)]), first(self))
+            return original(self, x)
 
-    monkeypatch.setattr(ExpertWeights, "gate_up", counting_gate_up)
+        monkeypatch.setattr(fmt, "gate_up", counting_gate_up)
     return reads
 
 
