@@ -512,6 +512,11 @@ def moe_forward_ep(
     else:
         check_inputs(_logical_view(params, cfg, placement), x, cfg, token_ids)
     n = mesh.shape[expert_axis]
+    if math.prod(x.shape[:-1]) == 0:  # an empty batch: nothing to route, send or compute
+        empty = jnp.zeros(x.shape, x.dtype)
+        zeros = jnp.zeros((n,), jnp.int32)
+        stats = EPStats(zeros, zeros, zeros, jnp.zeros((cfg.num_experts,), jnp.int32), zeros)
+        return (empty, stats) if return_stats else empty
     flat = x.reshape(-1, cfg.hidden_size)  # [T, H]
     tids = None if token_ids is None else token_ids.reshape(-1)
     T = flat.shape[0]
