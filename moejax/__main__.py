@@ -56,6 +56,8 @@ def demo(family: str, decode_rows: int, prefill_rows: int, seed: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from moejax.bench import add_arguments, positive_int
+
     parser = argparse.ArgumentParser(prog="python -m moejax", description="moejax: Mixture-of-Experts in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser(
@@ -70,12 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help=f"model family (default {DEFAULT_FAMILY}); one of: {', '.join(FAMILIES)}",
     )
-    p_demo.add_argument("--decode-rows", type=int, default=4)
-    p_demo.add_argument("--prefill-rows", type=int, default=256)
+    p_demo.add_argument("--decode-rows", type=positive_int, default=4)
+    p_demo.add_argument("--prefill-rows", type=positive_int, default=256)
     p_demo.add_argument("--seed", type=int, default=0)
     p_bench = sub.add_parser("bench", help="benchmark the XLA plans against measured ceilings")
-    from moejax.bench import add_arguments
-
     add_arguments(p_bench)
     args = parser.parse_args(argv)
     if args.command == "demo":

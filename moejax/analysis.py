@@ -88,8 +88,7 @@ def mean_union(indices: Array, cfg: MoEConfig | int, window: int) -> Array:
     Args:
       indices: `[T, K]`, or `[B, T, K]` for B independent sequences (windows never cross sequences).
       cfg: the config or E.
-      window: w >= 1 (static); a speculative-decoding verify step over w rows reads this many experts. NaN when
-        w > T.
+      window: 1 <= w <= T (static); a speculative-decoding verify step over w rows reads this many experts.
     """
     return union_curve(indices, cfg, windows=(window,))[0]
 
@@ -108,11 +107,20 @@ def union_curve(
       max_window: windows 1..max_window when `windows` is None.
       windows: window lengths (static ints >= 1), e.g. `(1, 2, 4, 8)`.
     Returns:
-      `[len(windows)]` float32 (NaN for a window longer than T).
+      `[len(windows)]` float32.
+
+    Raises:
+      ValueError: a window is < 1 or longer than the T tokens of a sequence.
     """
     windows = tuple(range(1, max_window + 1)) if windows is None else tuple(int(w) for w in windows)
     if not windows or min(windows) < 1:
         raise ValueError(f"windows must be non-empty ints >= 1, got {windows}")
+    shape = jnp.shape(indices)
+    if len(shape) in (2, 3) and max(windows) > shape[-2]:
+        raise ValueError(
+            f"a window of {max(windows)} tokens is longer than the T={shape[-2]} tokens of indices.shape={shape};"
+            f" pass max_window <= {shape[-2]} or shorter windows"
+        )
     return _mean_unions(indices, _num_experts(cfg), windows)
 
 

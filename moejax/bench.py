@@ -215,12 +215,23 @@ def format_table(rows: list[dict], ceilings_note: str) -> str:
     return "\n".join(lines)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (row counts, repeats); anything else is a usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--decode", nargs="+", type=int, default=[1, 2, 4, 8], metavar="T")
-    parser.add_argument("--prefill", nargs="+", type=int, default=[512, 2048], metavar="T")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--decode", nargs="+", type=positive_int, default=[1, 2, 4, 8], metavar="T")
+    parser.add_argument("--prefill", nargs="+", type=positive_int, default=[512, 2048], metavar="T")
+    parser.add_argument("--repeats", type=positive_int, default=10)
     parser.add_argument("--json", metavar="PATH", help="also write the table as JSON")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
 from typing import Any, Literal
 
 
@@ -172,6 +173,12 @@ class MoEConfig:
             ("shared_expert", SharedExpert),
         ):
             object.__setattr__(self, name, _enum(getattr(self, name), cls, name))
+        for field in dataclasses.fields(self):  # numpy scalars (np.int64 sizes, np.float32 eps) as Python numbers
+            value = getattr(self, field.name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, field.name, int(value))
+            elif isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+                object.__setattr__(self, field.name, float(value))
         self._validate()
 
     # -- validation -------------------------------------------------------------------------------------
@@ -201,8 +208,10 @@ class MoEConfig:
             fail("norm_epsilon", "must be a finite float >= 0")
         if not math.isfinite(self.routed_scaling_factor):
             fail("routed_scaling_factor", "must be finite")
-        if self.rms_norm_eps <= 0:
-            fail("rms_norm_eps", "must be > 0")
+        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
+            fail("rms_norm_eps", "must be a finite float > 0")
+        if not math.isfinite(self.swiglu_alpha):
+            fail("swiglu_alpha", "must be finite")
         for field in ("router_dtype", "score_dtype", "weights_dtype"):
             if getattr(self, field) not in ("float32", "input"):
                 fail(field, "must be 'float32' or 'input'")
@@ -217,18 +226,22 @@ class MoEConfig:
             if self.num_zero_experts:
                 fail("num_zero_experts", "zero experts need score_order='before_topk'")
         if self.hash_routing:
-            if self.vocab_size is None or self.vocab_size < 1:
+            if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1:
                 fail("vocab_size", "hash_routing needs vocab_size >= 1 (rows of the token-id table)")
             if self.n_group > 1:
                 fail("n_group", "hash routing has no group-limited selection")
+            if self.weights_on_input:
+                # A table row may name one expert twice; input-scaled slots of one expert then have no single
+                # meaning (E((w1+w2)·x) or E(w1·x)+E(w2·x)) and no family combines the two.
+                fail("weights_on_input", "is not supported with hash_routing=True (no family combines them)")
         elif self.vocab_size is not None:
             fail("vocab_size", "is only used with hash_routing=True; leave it None")
         if self.weights_on_input and (self.expert_bias or self.num_zero_experts):
             fail("weights_on_input", "needs experts without biases and without zero experts (Llama-4 form)")
         for field in ("swiglu_limit", "shared_swiglu_limit"):
             limit = getattr(self, field)
-            if limit is not None and not limit > 0:
-                fail(field, "must be None (no clamp) or > 0")
+            if limit is not None and not (limit > 0 and math.isfinite(limit)):
+                fail(field, "must be None (no clamp) or a finite float > 0")
         if self.activation is Activation.GPT_OSS and self.swiglu_limit is None:
             fail("swiglu_limit", "activation='gpt_oss' needs a limit (7.0 in gpt-oss)")
         if self.shared_expert is SharedExpert.NONE:

@@ -6,6 +6,9 @@ list of implementations and the order `"auto"` tries them in).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -14,14 +17,14 @@ from jax.experimental import checkify
 
 from moejax.backends import IMPLS, resolve_impl, run_routed
 from moejax.config import MoEConfig, ScalingTarget
+from moejax.data_parallel import mesh_of, over_rows
 from moejax.experts import expert_activation, shared_expert_ffn, slots_from_routing
 from moejax.params import MoEParams, SharedParams, check_params
-from moejax.routing import Routing, rms_normalize, route, router_logits
+from moejax.routing import Routing, as_token_ids, check_route_inputs, rms_normalize, route, router_logits
 from moejax.stats import MoEStats, routing_stats
 
 Array = jax.Array
-_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-__all__ = ["IMPLS", "checked_moe_forward", "chosen_impl", "moe_forward"]
+__all__ = ["IMPLS", "checked_moe_forward", "chosen_impl", "moe_forward", "moe_forward_with_checks"]
 
 
 def check_inputs(params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array | None) -> None:
@@ -29,23 +32,7 @@ def check_inputs(params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array |
     if not isinstance(cfg, MoEConfig):
         raise TypeError(f"cfg must be a moejax.MoEConfig, got {type(cfg).__name__}")
     check_params(params, cfg)
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"x must be an array, got {type(x).__name__}")
-    if x.ndim < 1 or x.shape[-1] != cfg.hidden_size:
-        raise ValueError(f"x must have shape [..., H={cfg.hidden_size}], got x.shape={tuple(x.shape)}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"x must be float32, bfloat16 or float16, got x.dtype={x.dtype}")
-    if cfg.hash_routing and token_ids is None:
-        raise ValueError(
-            f"this config routes by token id (hash_routing=True): pass token_ids with shape {tuple(x.shape[:-1])}"
-        )
-    if token_ids is not None:
-        if tuple(token_ids.shape) != tuple(x.shape[:-1]):
-            raise ValueError(
-                f"token_ids must have shape x.shape[:-1]={tuple(x.shape[:-1])}, got {tuple(token_ids.shape)}"
-            )
-        if not jnp.issubdtype(token_ids.dtype, jnp.integer):
-            raise TypeError(f"token_ids must be integers, got dtype {token_ids.dtype}")
+    check_route_inputs(x, cfg, token_ids)
 
 
 def moe_forward(
@@ -64,10 +51,32 @@ def moe_forward(
     4. `+ Σ zero-expert weights · x_e` (LongCat).  5. `+ shared(x_e)`, sigmoid-gated where the family gates it.
     6. Cast to x's dtype. The routed experts may be in either layout (`moejax.weights`): stacked or per-expert.
     With `return_stats=True`, also the routing statistics of the call (`moejax.stats.MoEStats`, on device).
+
+    On a mesh (x or params placed on several devices, Explicit or Auto axes) each device routes and computes the
+    rows of x it holds (`moejax.data_parallel`); the statistics are then summed over the row shards (`union_size`
+    is the sum of each shard's union: the expert reads of the whole mesh). An empty batch (no rows) gives an empty
+    output.
     """
+    token_ids = as_token_ids(token_ids, cfg)
     check_inputs(params, x, cfg, token_ids)
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+    if math.prod(x.shape[:-1]) == 0:
+        y = jnp.zeros_like(x)
+        return (y, dataclasses.replace(MoEStats.zeros(cfg.num_experts), calls=jnp.int32(1))) if return_stats else y
+    rows_forward = functools.partial(_rows_forward, cfg=cfg, impl=impl, return_stats=return_stats)
+    mesh = mesh_of(params, x, token_ids)
+    if mesh is not None:
+        return over_rows(rows_forward, params, x, token_ids, mesh, with_stats=return_stats)
+    return rows_forward(params, x, token_ids)
+
+
+def _rows_forward(
+    params: MoEParams, x: Array, token_ids: Array | None, *, cfg: MoEConfig, impl: str, return_stats: bool
+) -> Array | tuple[Array, MoEStats]:
+    """Steps 1-6 of `moe_forward` on the rows at hand (all of them, or one device's)."""
     flat = x.reshape(-1, cfg.hidden_size)  # [T, H]
-    routing = route(params, flat, cfg, token_ids)
+    routing = route(params, flat, cfg, None if token_ids is None else token_ids.reshape(-1))
     x_e = expert_input(params, flat, cfg)
     routed = run_routed(impl, params.experts, x_e, slots_from_routing(routing, cfg), expert_activation(cfg))
     out = add_once_terms(routed, x_e, routing, params.shared, cfg, float32=impl == "reference")
@@ -81,7 +90,8 @@ def chosen_impl(params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array | 
 
     def inputs(params, x, token_ids):
         flat = x.reshape(-1, cfg.hidden_size)
-        return expert_input(params, flat, cfg), slots_from_routing(route(params, flat, cfg, token_ids), cfg)
+        tids = None if token_ids is None else token_ids.reshape(-1)
+        return expert_input(params, flat, cfg), slots_from_routing(route(params, flat, cfg, tids), cfg)
 
     x_e, slots = jax.eval_shape(inputs, params, x, token_ids)
     return resolve_impl(impl, params.experts, x_e, slots, expert_activation(cfg))
@@ -126,19 +136,43 @@ def add_once_terms(
 def checked_moe_forward(
     params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array | None = None, impl: str = "auto"
 ) -> Array:
-    """`moe_forward` that raises on what the unchecked forward defines away inside jit.
+    """`moe_forward` that raises on what the unchecked forward defines away inside jit. Call it outside jit.
 
     Raises `checkify.JaxRuntimeError` when any router logit is not finite, or (hash routing) a token id is
     outside [0, vocab_size) or a table entry outside [0, num_experts + num_zero_experts). Jitted with
     `jax.experimental.checkify`; costs one extra router matmul (shared with the forward by XLA's CSE).
+
+    Inside your own `jax.jit` a check cannot raise: use `moe_forward_with_checks` there, and functionalize the
+    checks of the whole step with `checkify.checkify(jax.jit(step))` (see its docstring).
     """
+    token_ids = as_token_ids(token_ids, cfg)
     check_inputs(params, x, cfg, token_ids)
+    if any(isinstance(a, jax.core.Tracer) for a in (x, token_ids, *jax.tree.leaves(params))):
+        raise TypeError(
+            "checked_moe_forward raises, so it runs outside jit; inside a traced function call "
+            "moejax.forward.moe_forward_with_checks and wrap the step: checkify.checkify(jax.jit(step))"
+        )
     err, y = _checked_forward(params, x, token_ids, cfg, impl)
     err.throw()
     return y
 
 
-def _forward_with_checks(params, x, token_ids, cfg, impl):
+def moe_forward_with_checks(
+    params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array | None = None, impl: str = "auto"
+) -> Array:
+    """`moe_forward` plus the `checkify.check`s of `checked_moe_forward`, for use inside the caller's own jit.
+
+    The checks are left for the caller to functionalize, together with any checks of its own:
+
+        step = jax.jit(lambda p, x: model(p, x))  # model calls moe_forward_with_checks
+        err, y = checkify.checkify(step)(params, x)
+        err.throw()  # or inspect err.get()
+
+    Called with no enclosing `checkify.checkify`, tracing fails ("Cannot abstractly evaluate a checkify.check
+    which was not functionalized"). Outside jit, `checked_moe_forward` does both steps for you.
+    """
+    token_ids = as_token_ids(token_ids, cfg)
+    check_inputs(params, x, cfg, token_ids)
     logits = router_logits(params.router, x.reshape(-1, cfg.hidden_size), cfg)
     checkify.check(jnp.all(jnp.isfinite(logits)), "moejax: non-finite router logits")
     if cfg.hash_routing:
@@ -150,4 +184,7 @@ def _forward_with_checks(params, x, token_ids, cfg, impl):
     return moe_forward(params, x, cfg, token_ids, impl)
 
 
-_checked_forward = jax.jit(checkify.checkify(_forward_with_checks), static_argnums=(3, 4))
+_checked_forward = jax.jit(
+    checkify.checkify(lambda params, x, token_ids, cfg, impl: moe_forward_with_checks(params, x, cfg, token_ids, impl)),
+    static_argnums=(3, 4),
+)

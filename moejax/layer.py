@@ -28,7 +28,7 @@ from flax import nnx
 
 from moejax import parallel
 from moejax.config import MoEConfig
-from moejax.forward import moe_forward
+from moejax.forward import IMPLS, moe_forward
 from moejax.params import BUFFERS, MoEParams, check_params, flatten, init_params, specs_of, unflatten
 from moejax.placement import Placement
 from moejax.stats import MoEStats
@@ -91,6 +91,12 @@ class MoE(nnx.Module):
     ):
         if layout not in LAYOUTS:
             raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+        if not isinstance(cfg, MoEConfig):
+            raise TypeError(f"cfg must be a moejax.MoEConfig, got {type(cfg).__name__}")
+        if impl not in IMPLS:
+            raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+        if ep_mode not in parallel.EP_MODES:
+            raise ValueError(f"ep_mode={ep_mode!r} is not one of {parallel.EP_MODES}")
         self.cfg = cfg
         self.impl = impl
         self.mesh = mesh
@@ -109,8 +115,6 @@ class MoE(nnx.Module):
         if mesh is None:
             self.load_params(init_params(cfg, rngs.params(), param_dtype, fmt=fmt, layout=self.layout))
             return
-        if ep_mode not in parallel.EP_MODES:
-            raise ValueError(f"ep_mode={ep_mode!r} is not one of {parallel.EP_MODES}")
         if self.expert_axis is None:
             if tensor_axis is not None:
                 raise ValueError(f"tensor_axis={tensor_axis!r} needs expert_axis={expert_axis!r} in the mesh")

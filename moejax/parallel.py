@@ -515,6 +515,10 @@ def moe_forward_ep(
     else:
         check_inputs(_logical_view(params, cfg, placement), x, cfg, token_ids)
     n = mesh.shape[expert_axis]
+    if math.prod(x.shape[:-1]) == 0:  # an empty batch: nothing to route, send or compute
+        empty = jnp.zeros(x.shape, x.dtype)
+        stats = dataclasses.replace(MoEStats.zeros(cfg.num_experts, n), calls=jnp.int32(1))
+        return (empty, stats) if return_stats else empty
     flat = x.reshape(-1, cfg.hidden_size)  # [T, H]
     tids = None if token_ids is None else token_ids.reshape(-1)
     T = flat.shape[0]

@@ -3,8 +3,9 @@
 Both compute `Σ_k w_k · E_{idx_k}(s_k · x)` as float32 `[T, H]` from the narrow `Slots` (ids, input scales,
 output weights) and the `GatedActivation`. They read expert weights only through the format's `expert(e)` view
 (traced e, stacked layout; XLA:CPU copies such a slice before its dot, which is why the CPU backend uses
-`moejax.cpu_plans` on the per-expert layout). Each row is combined over its own slots in slot order, so a row's
-output does not depend on the other rows of the batch (batch invariance). Neither sorts on the host or syncs:
+`moejax.cpu_plans` on the per-expert layout). Each row is combined over its own slots in slot order, and every
+expert call has a row count fixed by the shapes (T rows in decode, B in grouped), so for a given T a row's output
+does not depend on the other rows of the batch (batch invariance). Neither sorts on the host or syncs:
 every shape is static, loop trip counts are device values.
 
 Decode (T <= 8 rows, T·K <= 64 slots): weight reads dominate, so each expert chosen by any row is read once.
@@ -15,14 +16,16 @@ Decode (T <= 8 rows, T·K <= 64 slots): weight reads dominate, so each expert ch
   3. Row t takes `Y[position of its slot k's expert, t]` for each slot and sums them with its weights.
 
 Grouped (prefill, any T): arithmetic dominates, so (token, slot) pairs are sorted by expert and multiplied in
-blocks per expert (dropless: an expert with n pairs gets ceil(n / B) blocks, the last one sized to fit).
+blocks per expert (dropless: an expert with n pairs gets ceil(n / B) blocks).
   1. Stable argsort of the pairs by expert id (zero-computation experts sort last and are never computed).
-  2. Block b belongs to expert `block_expert[b]` and covers sorted rows `[row_start[b], row_start[b] + R)`, R
-     one of a few static sizes (full blocks of B rows, the expert's last block the smallest size that holds its
-     remainder, chosen by `lax.switch`); a `fori_loop` over the real blocks (a device count) gathers those
-     rows' tokens, runs the expert, and writes the rows back in sorted order. Blocks run in expert order, so
-     padding rows that spill into the next expert's range are overwritten by that expert's own block.
+  2. Block b belongs to expert `block_expert[b]` and covers sorted rows `[row_start[b], row_start[b] + B)`; a
+     `fori_loop` over the real blocks (a device count) gathers those rows' tokens, runs the expert, and writes
+     the rows back in sorted order. Blocks run in expert order, so padding rows that spill into the next
+     expert's range are overwritten by that expert's own block.
   3. Un-sort to `[T, K, H]` and sum each row's slots with its weights.
+Every block has the same B rows (B depends on T, K and E only), the expert's last one padded: XLA's dots give
+a row different bits for different row counts (float32 too), so a block sized to its expert's remainder would
+make a row's output depend on how many other rows chose its expert.
 """
 
 from __future__ import annotations
@@ -71,20 +74,12 @@ def decode_plan(experts: Experts, x: Array, slots: Slots, act: GatedActivation) 
 
 
 def grouped_block_rows(num_pairs: int, num_experts: int) -> int:
-    """Rows of a full block of the grouped plan: twice the mean pairs per expert, a power of two in [8, 128].
+    """Rows of a block of the grouped plan: twice the mean pairs per expert, a power of two in [8, 128].
 
-    Most experts then need one block, sized by `TAIL_BLOCK_ROWS` to their pair count.
+    Most experts then need one block.
     """
     mean = max(1, -(-num_pairs // num_experts))
     return int(min(128, max(8, 1 << (2 * mean - 1).bit_length())))
-
-
-TAIL_BLOCK_ROWS = (8, 16, 32, 48, 64, 96, 128)
-
-
-def block_classes(block_rows: int) -> tuple[int, ...]:
-    """Static block sizes the grouped plan compiles: the tail sizes below `block_rows`, and `block_rows`."""
-    return (*(r for r in TAIL_BLOCK_ROWS if r < block_rows), block_rows)
 
 
 def grouped_plan(
@@ -92,21 +87,18 @@ def grouped_plan(
 ) -> Array:
     """Routed output `[T, H]` float32 over pairs sorted by expert, in blocks (see the module docstring).
 
-    An expert with n pairs gets `n // B` full blocks of B = `block_rows` rows and, for the remainder, one
-    block of the smallest size in `block_classes(B)` that holds it: each expert's weights are read
-    `ceil(n / B)` times, and at most a fraction of one block of rows is padding.
+    An expert with n pairs gets `ceil(n / B)` blocks of B = `block_rows` rows (the last one padded): each
+    expert's weights are read `ceil(n / B)` times, and every expert call has B rows whatever the routing.
     """
     experts = as_stacked(experts)
     T, K = slots.indices.shape
     E, H, M = experts.num_experts, x.shape[-1], T * K
     B = block_rows or grouped_block_rows(M, E)
-    classes = jnp.array(block_classes(B), jnp.int32)
 
     expert_of_pair = jnp.minimum(slots.indices.reshape(-1), E)  # [M]; zero experts -> E (sorted last)
     order = jnp.argsort(expert_of_pair, stable=True)  # [M] pair at each sorted row
     counts = jnp.bincount(expert_of_pair, length=E + 1)[:E]  # [E]
-    full_blocks, remainder = counts // B, counts % B
-    blocks = full_blocks + (remainder > 0)  # [E]
+    blocks = -(-counts // B)  # [E]
     first_block = jnp.cumsum(blocks) - blocks  # [E]
     first_row = jnp.cumsum(counts) - counts  # [E]
     max_blocks = -(-M // B) + E  # static bound on Σ ceil(count / B)
@@ -114,28 +106,16 @@ def grouped_plan(
     block_expert = jnp.clip(jnp.searchsorted(first_block + blocks, block_ids, side="right"), 0, E - 1)
     nth = block_ids - first_block[block_expert]  # index of the block within its expert
     row_start = first_row[block_expert] + nth * B
-    tail_class = jnp.searchsorted(classes, remainder)  # [E] smallest class >= remainder
-    block_class = jnp.where(nth < full_blocks[block_expert], len(classes) - 1, tail_class[block_expert])
 
     pair_token = order // K  # [M] token of each sorted row
     pair_scale = None if slots.in_scale is None else slots.in_scale.reshape(-1)[order]  # [M]
 
-    def block_of(rows_in_block: int):
-        def run(b: Array) -> Array:
-            rows = jnp.minimum(row_start[b] + jnp.arange(rows_in_block), M - 1)  # clamped padding rows
-            xb = x[pair_token[rows]]  # [rows, H]
-            if pair_scale is not None:
-                xb = xb * pair_scale[rows][:, None]
-            yb = experts.expert(block_expert[b]).ffn(xb, act)  # [rows, H]
-            return jnp.pad(yb, ((0, B - rows_in_block), (0, 0)))  # [B, H]
-
-        return run
-
-    branches = [block_of(r) for r in block_classes(B)]
-
     def one_block(b: Array, sorted_out: Array) -> Array:
-        # The update stays outside the switch: a buffer updated inside a branch is copied whole per block.
-        yb = jax.lax.switch(block_class[b], branches, b)
+        rows = jnp.minimum(row_start[b] + jnp.arange(B), M - 1)  # clamped padding rows
+        xb = x[pair_token[rows]]  # [B, H]
+        if pair_scale is not None:
+            xb = xb * pair_scale[rows][:, None]
+        yb = experts.expert(block_expert[b]).ffn(xb, act)  # [B, H]
         return jax.lax.dynamic_update_slice_in_dim(sorted_out, yb, row_start[b], 0)
 
     sorted_out = jnp.zeros((M + B, H), jnp.float32)  # B spare rows: a last block never clamps its start

@@ -16,7 +16,8 @@ Inside jit, bad values cannot raise; the behaviour is defined instead (see `moej
 variant that raises):
 * non-finite logits: indices stay valid ids in [0, N) (top-k always returns positions), and the weights of that
   row become NaN, so the row's output is NaN; other rows are unaffected.
-* out-of-range token ids for hash routing are clamped into [0, vocab_size), and table entries into [0, N).
+* out-of-range token ids for hash routing are clamped into [0, vocab_size) (in their own integer type, so ids
+  >= 2**31 of a uint32 array, or of a host int64 array, clamp to vocab_size - 1), and table entries into [0, N).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moejax.config import MoEConfig, ScalingTarget, ScoreOrder, Scoring
 from moejax.params import RouterParams
@@ -96,9 +98,58 @@ def limit_to_groups(selection: Array, n_group: int, topk_group: int) -> Array:
     return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(T, N)
 
 
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def as_token_ids(token_ids, cfg: MoEConfig):
+    """`token_ids` as an integer array; host values (a list, a numpy array) are first clipped to [-1, vocab_size]
+    on the host, in their own integer type, so a host int64 id >= 2**31 is not wrapped by the int32 cast (and an
+    out-of-range id stays out of range for `checked_moe_forward`)."""
+    if token_ids is None or isinstance(token_ids, jax.Array):
+        return token_ids
+    if isinstance(token_ids, (list, tuple, np.ndarray, np.integer, int)):
+        host = np.asarray(token_ids)
+        if host.size and not np.issubdtype(host.dtype, np.integer):
+            raise TypeError(f"token_ids must be integers, got dtype {host.dtype}")
+        host = host.astype(np.int64) if host.size == 0 else host
+        if cfg.hash_routing:
+            host = np.clip(host, -1, cfg.vocab_size)
+        return jnp.asarray(host.astype(np.int32))
+    return token_ids  # a tracer or another array type: checked by `check_route_inputs`
+
+
+def check_route_inputs(x, cfg: MoEConfig, token_ids) -> None:
+    """Shape and dtype checks of `route`/`moe_forward` at trace time: `ValueError`/`TypeError` naming the argument
+    and both shapes."""
+    if not isinstance(cfg, MoEConfig):
+        raise TypeError(f"cfg must be a moejax.MoEConfig, got {type(cfg).__name__}")
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"x must be an array, got {type(x).__name__}")
+    if x.ndim < 1 or x.shape[-1] != cfg.hidden_size:
+        raise ValueError(f"x must have shape [..., H={cfg.hidden_size}], got x.shape={tuple(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got x.dtype={x.dtype}")
+    if cfg.hash_routing and token_ids is None:
+        raise ValueError(
+            f"this config routes by token id (hash_routing=True): pass token_ids with shape {tuple(x.shape[:-1])}"
+        )
+    if token_ids is not None:
+        if not hasattr(token_ids, "shape") or not hasattr(token_ids, "dtype"):
+            raise TypeError(f"token_ids must be an integer array or a list of ints, got {type(token_ids).__name__}")
+        if tuple(token_ids.shape) != tuple(x.shape[:-1]):
+            raise ValueError(
+                f"token_ids must have shape x.shape[:-1]={tuple(x.shape[:-1])}, got {tuple(token_ids.shape)}"
+            )
+        if not jnp.issubdtype(token_ids.dtype, jnp.integer):
+            raise TypeError(f"token_ids must be integers, got dtype {token_ids.dtype}")
+
+
 def hash_indices(tid2eid: Array, token_ids: Array, cfg: MoEConfig) -> Array:
-    """Expert ids `[T, K]` from the token-id table; ids out of range are clamped (documented above)."""
-    rows = jnp.clip(token_ids.astype(jnp.int32), 0, cfg.vocab_size - 1)
+    """Expert ids `[T, K]` from the token-id table; ids out of range are clamped (documented above).
+
+    The clamp runs in the ids' own integer type before the int32 cast (a uint32 id >= 2**31 is large, not
+    negative)."""
+    rows = jnp.clip(token_ids, 0, cfg.vocab_size - 1).astype(jnp.int32)
     return jnp.clip(tid2eid[rows].astype(jnp.int32), 0, cfg.num_selectable - 1)
 
 
@@ -108,11 +159,13 @@ def route(params, x: Array, cfg: MoEConfig, token_ids: Array | None = None) -> R
     Args:
       params: `MoEParams` (only `params.router` is read) or a `RouterParams`.
       x: `[..., H]` block input.
-      token_ids: `[...]` integer token ids, required with hash routing, ignored otherwise.
+      token_ids: `[...]` integer token ids (an array or a list), required with hash routing, ignored otherwise.
     Returns:
       `Routing` with `indices [T, K] int32`, `weights [T, K] float32`, `logits [T, N] float32`, and
       `zero_weight [T]` when the config has zero-computation experts.
     """
+    token_ids = as_token_ids(token_ids, cfg)
+    check_route_inputs(x, cfg, token_ids)
     router = params if isinstance(params, RouterParams) else params.router
     x = x.reshape(-1, x.shape[-1])
     logits = router_logits(router, x, cfg)
@@ -125,8 +178,6 @@ def route(params, x: Array, cfg: MoEConfig, token_ids: Array | None = None) -> R
     else:
         scores = scores_from_logits(logits, cfg.scoring, policy_dtype(cfg.score_dtype, x))  # [T, N]
         if cfg.hash_routing:
-            if token_ids is None:
-                raise ValueError("hash routing (cfg.hash_routing=True) needs token_ids, got None")
             indices = hash_indices(router.tid2eid, token_ids.reshape(-1), cfg)
         else:
             selection = scores

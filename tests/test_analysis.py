@@ -47,7 +47,8 @@ def test_union_curve_keeps_its_behaviour_and_takes_any_window():
         [analysis.mean_union(indices, cfg, 2), analysis.mean_union(indices, cfg, 16)],
         rtol=1e-6,
     )
-    assert np.isnan(analysis.mean_union(indices[:3], cfg, 4))
+    with pytest.raises(ValueError, match="longer than the T=3 tokens"):
+        analysis.mean_union(indices[:3], cfg, 4)
     with pytest.raises(ValueError, match="windows must be non-empty ints >= 1"):
         analysis.union_curve(indices, cfg, windows=(0,))
 
