@@ -12,7 +12,11 @@ and the collectives, not a multi-GPU speed-up.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
+# This checkout's moejax, not an installed one, when run as a script (sys.path[0] is benchmarks/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # before jax is imported
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -5,13 +5,19 @@
 For each size n of the expert axis it compiles the jitted EP forward (x split over the axis, experts placed by
 `shard_params`) and prints XLA's `memory_analysis()` of the compiled program: temporary bytes (buffers that live
 only during the call: dispatch buffers, the plan's work arrays), argument and output bytes, all per device, with
-the bytes one device sends per call (`moejax.parallel.communication_bytes`). Nothing is run: compiling is enough.
+the bytes one device sends per call (`moejax.parallel.communication_bytes`) and the buffer sizes of
+`moejax.parallel.all_to_all_capacity` (rows C per block and round, pairs P per compute chunk). Nothing is run:
+compiling is enough.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
+# This checkout's moejax, not an installed one, when run as a script (sys.path[0] is benchmarks/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # before jax is imported
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -50,8 +56,11 @@ def measure(cfg: moejax.MoEConfig, num_tokens: int, n: int, dtype: jnp.dtype) ->
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
     sent = parallel.communication_bytes(cfg, num_tokens, mode="all_to_all", expert_size=n, dtype=dtype)
+    rows, pairs = parallel.all_to_all_capacity(cfg, num_tokens, n, parallel.CAPACITY_FACTOR)
     return {
         "devices": n,
+        "rows_per_block": rows,
+        "pairs_per_chunk": pairs,
         "temp_bytes": mem.temp_size_in_bytes,
         "argument_bytes": mem.argument_size_in_bytes,
         "output_bytes": mem.output_size_in_bytes,
@@ -62,13 +71,16 @@ def measure(cfg: moejax.MoEConfig, num_tokens: int, n: int, dtype: jnp.dtype) ->
 
 def _table(rows: list[dict]) -> str:
     base = rows[0]["temp_bytes"]
-    head = f"{'n':>3} {'temp MB':>9} {'vs n=1':>7} {'args MB':>8} {'out MB':>7} {'sent MB':>8} {'compile s':>10}"
+    head = (
+        f"{'n':>3} {'rows C':>7} {'pairs P':>8} {'temp MB':>9} {'vs n=1':>7} {'args MB':>8} {'out MB':>7} "
+        f"{'sent MB':>8} {'compile s':>10}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['devices']:>3} {r['temp_bytes'] / 1e6:>9.2f} {r['temp_bytes'] / base:>7.2f} "
-            f"{r['argument_bytes'] / 1e6:>8.2f} {r['output_bytes'] / 1e6:>7.2f} {r['sent_bytes'] / 1e6:>8.2f} "
-            f"{r['compile_s']:>10.1f}"
+            f"{r['devices']:>3} {r['rows_per_block']:>7} {r['pairs_per_chunk']:>8} {r['temp_bytes'] / 1e6:>9.2f} "
+            f"{r['temp_bytes'] / base:>7.2f} {r['argument_bytes'] / 1e6:>8.2f} {r['output_bytes'] / 1e6:>7.2f} "
+            f"{r['sent_bytes'] / 1e6:>8.2f} {r['compile_s']:>10.1f}"
         )
     return "\n".join(lines)
 
