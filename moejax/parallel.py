@@ -33,12 +33,13 @@ compute follow T/n: a device computes only the (token, slot) pairs of its own ex
 A row per visited device, not per pair: a token with several slots on d sends its row once. Buffers sized for
 the worst case (every token to one device: T rows, T·K pairs) would not shrink with n; instead no token is
 dropped, and the shapes stay static, this way: C and P (`all_to_all_capacity`) hold `capacity_factor` (1.25)
-times the load of uniform routing, and a heavier load runs in more rounds (every device runs as many as the
-busiest block needs, agreed by a `pmax`: the collectives must match) or more chunks of P pairs (local: a `while`
-loop on the device). With K=8 of E=64 experts on 8 devices a token visits 5.4 devices on average, so C is about
-0.85·T/n; P is 1.25·T·K/n. A skewed routing costs time, never tokens or memory. Only the rows a token needs are
-filled, compacted at the front of each block, so a ragged all-to-all (`jax.lax.ragged_all_to_all`, GPU only)
-could later send just those rows; on CPU the static blocks move whole.
+times the load of uniform routing (its mean plus three standard deviations), and a heavier load runs in more
+rounds (every device runs as many as the busiest block needs, agreed by a `pmax`: the collectives must match) or
+more chunks of P pairs (local: a `while` loop on the device). With K=8 of E=64 experts on 8 devices and T=4096 a
+token visits 5.4 devices on average, so C is 0.93·T/n rows and P 1.31·T·K/n pairs. A skewed routing costs time,
+never tokens or memory. Only the rows a token needs are filled, compacted at the front of each block, so a ragged
+all-to-all (`jax.lax.ragged_all_to_all`, GPU only) could later send just those rows; on CPU the static blocks move
+whole.
 
 Expert placement (`placement=`, a `moejax.placement.Placement`; optional in `shard_params` and `moe_forward_ep`):
 the experts are laid out by physical slot instead, `[S, ...]` (hot experts replicated; device d holds slots
@@ -363,20 +364,22 @@ def _replicated_body(params, x, token_ids, *, cfg, impl, expert_axis, tensor_axi
 def all_to_all_capacity(cfg: MoEConfig, num_tokens: int, n: int, capacity_factor: float) -> tuple[int, int]:
     """Static buffer sizes of "all_to_all" mode: (rows per block and round, pairs per compute chunk).
 
-    Sized for uniform routing times `capacity_factor`; more is not dropped but costs another round (rows) or
-    another chunk (pairs), see the module docstring.
+    Sized for uniform routing: `capacity_factor` times its mean plus three standard deviations (the sampling noise
+    of a few tokens). More is not dropped but costs another round (rows) or another chunk (pairs), see the
+    module docstring.
 
-    Rows: a source device's T/n tokens each visit device d when at least one of their K distinct experts lives
-    there, with probability q = 1 - C(E - E/n, K) / C(E, K); a block holds `capacity_factor · q · T/n` of them (at
-    most T/n, the most a block can ever need). Pairs: a device computes T·K/n pairs on average; a chunk holds
-    `capacity_factor` times that (at most what one round can deliver, n·rows·K).
+    Rows: each of a source device's T/n tokens visits device d when at least one of its K distinct experts lives
+    there, with probability q = 1 - C(E - E/n, K) / C(E, K): a binomial count, at most T/n. Pairs: a device
+    computes T·K/n pairs on average (about as many, as a count, as the variance), at most n·rows·K per round.
     """
     tokens_per_device = max(1, -(-num_tokens // n))
     E, K = cfg.num_experts, min(cfg.top_k, cfg.num_experts)
     misses = math.prod(max(0.0, 1 - (E / n) / (E - i)) for i in range(K))  # no expert of the token on d
-    rows = min(tokens_per_device, max(1, math.ceil(capacity_factor * (1 - misses) * tokens_per_device)))
-    pairs = min(n * rows * K, max(1, math.ceil(capacity_factor * tokens_per_device * K)))
-    return rows, pairs
+    visits = (1 - misses) * tokens_per_device
+    rows = math.ceil(capacity_factor * (visits + 3 * math.sqrt(visits * misses)))
+    pairs = math.ceil(capacity_factor * (tokens_per_device * K + 3 * math.sqrt(tokens_per_device * K)))
+    rows = min(tokens_per_device, max(1, rows))
+    return rows, min(n * rows * K, max(1, pairs))
 
 
 def _repeat(body: Callable[[Array, Array], Array], trips: Array, max_trips: int, init: Array) -> Array:
