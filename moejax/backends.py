@@ -111,6 +111,15 @@ def kernel_validated(name: str) -> bool:
     return pallas_kernels.is_validated(_KERNELS[name], jax.devices()[0].device_kind, jax.__version__)
 
 
+def may_run_kernels(impl: str) -> bool:
+    """Whether `impl` runs a Pallas kernel for some call size (on a CPU program: under the Mosaic GPU interpreter)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+    if impl == "auto":
+        return any(kernel_validated(name) for name in _KERNELS)
+    return impl == "pallas" or impl in _KERNELS
+
+
 def candidates(impl: str, num_rows: int, top_k: int) -> list[str]:
     """The backends `impl` tries, in order, for a call of `num_rows` rows of `top_k` slots (static)."""
     if impl not in IMPLS:

@@ -19,18 +19,27 @@ Two modes of `moe_forward_ep`:
   5. Exactly once, after the reduction: the output scaling (Step-3.7), the zero-expert term and the shared
      expert with its sigmoid gate (before the reduction they would be counted n times).
 
-"all_to_all" (prefill): tokens sharded over the expert axis (T padded to a multiple of n).
+"all_to_all" (prefill): tokens sharded over the expert axis (T padded to a multiple of n). Per-device memory and
+compute follow T/n: a device computes only the (token, slot) pairs of its own experts, about T·K/n.
   1. Each device routes its T/n tokens.
-  2. Dispatch: for each destination device d, the rows of the tokens with at least one slot on d, compacted
-     in token order, with their slots' local ids and weights (other slots carry the sentinel). A token goes to
-     a device at most once, so a `[n, T/n, H]` buffer is dropless whatever the routing (worst case: every
-     token to one device). `jax.lax.all_to_all` swaps the blocks.
-  3. Each device runs the plan on the n·T/n rows it received (its own experts only) and sends each row's
-     weighted partial sum back (float32, a second `all_to_all`).
-  4. Each token sums the partials of the devices it visited, then the once-terms of step 5 above.
+  2. Dispatch: a token visits device d when at least one of its slots is on d; it goes there once, as one row with
+     its slots' local ids and weights (other slots carry the sentinel). The visits to d, in token order, are sent
+     in rounds of C rows: `jax.lax.all_to_all` swaps `[n, C, H]` blocks.
+  3. The receiver compacts the local pairs of its n·C rows and runs the plan on them P pairs at a time, one slot
+     per row, adding each pair's weighted output to its row; the `[n, C, H]` float32 partial sums go back by a
+     second `all_to_all`, and each token adds the partials of the devices it visited.
+  4. Then the once-terms of step 5 above.
 
-Only the rows a token needs are filled, compacted at the front of each block, so a ragged all-to-all
-(`jax.lax.ragged_all_to_all`, GPU only) can later send just those rows; on CPU the static buffer moves whole.
+A row per visited device, not per pair: a token with several slots on d sends its row once. Buffers sized for
+the worst case (every token to one device: T rows, T·K pairs) would not shrink with n; instead no token is
+dropped, and the shapes stay static, this way: C and P (`all_to_all_capacity`) hold `capacity_factor` (1.25)
+times the load of uniform routing (its mean plus three standard deviations), and a heavier load runs in more
+rounds (every device runs as many as the busiest block needs, agreed by a `pmax`: the collectives must match) or
+more chunks of P pairs (local: a `while` loop on the device). With K=8 of E=64 experts on 8 devices and T=4096 a
+token visits 5.4 devices on average, so C is 0.93·T/n rows and P 1.31·T·K/n pairs. A skewed routing costs time,
+never tokens or memory. Only the rows a token needs are filled, compacted at the front of each block, so a ragged
+all-to-all (`jax.lax.ragged_all_to_all`, GPU only) could later send just those rows; on CPU the static blocks move
+whole.
 
 Expert placement (`placement=`, a `moejax.placement.Placement`; optional in `shard_params` and `moe_forward_ep`):
 the experts are laid out by physical slot instead, `[S, ...]` (hot experts replicated; device d holds slots
@@ -55,7 +64,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moejax.backends import run_routed
+from moejax.backends import may_run_kernels, run_routed
 from moejax.config import MoEConfig, SharedExpert
 from moejax.experts import Slots, expert_activation, slots_from_routing
 from moejax.forward import add_once_terms, check_inputs, expert_input
@@ -70,6 +79,9 @@ from moejax.weights import ExpertFormat, Experts, ExpertWeights, PerExpert, form
 Array = jax.Array
 EPMode = Literal["replicated", "all_to_all"]
 EP_MODES = ("replicated", "all_to_all")
+# "all_to_all" buffers hold 1.25x the load of uniform routing: room for the usual imbalance of a learned router
+# within one round, while per-device memory still falls as 1/n (benchmarks/ep_memory.py).
+CAPACITY_FACTOR = 1.25
 
 # The varying-manual-axes check is off: the plans' loops start from fresh (device-invariant) zeros and carry
 # values that vary over the expert axis, and the math must not learn about sharding to satisfy the checker.
@@ -187,6 +199,23 @@ def check_mesh(
         for field, size in sizes.items():
             if size % tp:
                 raise ValueError(f"{field}={size} is not divisible by the size {tp} of tensor axis {tensor_axis!r}")
+
+
+def check_kernels_can_run(impl: str, mesh: Mesh) -> None:
+    """`NotImplementedError` for Pallas kernels on a CPU mesh of several devices, which would hang.
+
+    On CPU the kernels run under the Mosaic GPU interpreter, which simulates one GPU per process: the kernels of
+    several devices running at once would share it, so the second fails inside its host callback, and the other
+    devices then wait forever in the next collective.
+    """
+    platform = mesh.devices.flat[0].platform
+    if mesh.size > 1 and platform == "cpu" and may_run_kernels(impl):
+        raise NotImplementedError(
+            f"impl={impl!r} runs the Pallas kernels, which on CPU run under the Mosaic GPU interpreter: one "
+            f"simulated GPU per process cannot serve the {mesh.size} CPU devices of this mesh at once (they would "
+            "deadlock). Use impl='xla' (or 'reference') on a CPU mesh, or a 1-device mesh or a GPU mesh for the "
+            "kernels."
+        )
 
 
 def shard_params(
@@ -332,13 +361,86 @@ def _replicated_body(params, x, token_ids, *, cfg, impl, expert_axis, tensor_axi
     return out, EPStats(local_pairs=mine, remote_pairs=zero, remote_rows=zero, expert_load=load, device_load=mine)
 
 
-def _all_to_all_body(params, x, token_ids, *, cfg, impl, expert_axis, tensor_axis, num_tokens, n, placement=None):
+def all_to_all_capacity(cfg: MoEConfig, num_tokens: int, n: int, capacity_factor: float) -> tuple[int, int]:
+    """Static buffer sizes of "all_to_all" mode: (rows per block and round, pairs per compute chunk).
+
+    Sized for uniform routing: `capacity_factor` times its mean plus three standard deviations (the sampling noise
+    of a few tokens). More is not dropped but costs another round (rows) or another chunk (pairs), see the
+    module docstring.
+
+    Rows: each of a source device's T/n tokens visits device d when at least one of its K distinct experts lives
+    there, with probability q = 1 - C(E - E/n, K) / C(E, K): a binomial count, at most T/n. Pairs: a device
+    computes T·K/n pairs on average (about as many, as a count, as the variance), at most n·rows·K per round.
+    """
+    tokens_per_device = max(1, -(-num_tokens // n))
+    E, K = cfg.num_experts, min(cfg.top_k, cfg.num_experts)
+    misses = math.prod(max(0.0, 1 - (E / n) / (E - i)) for i in range(K))  # no expert of the token on d
+    visits = (1 - misses) * tokens_per_device
+    rows = math.ceil(capacity_factor * (visits + 3 * math.sqrt(visits * misses)))
+    pairs = math.ceil(capacity_factor * (tokens_per_device * K + 3 * math.sqrt(tokens_per_device * K)))
+    rows = min(tokens_per_device, max(1, rows))
+    return rows, min(n * rows * K, max(1, pairs))
+
+
+def _repeat(body: Callable[[Array, Array], Array], trips: Array, max_trips: int, init: Array) -> Array:
+    """`fori_loop(0, trips, body, init)`, where `body` adds nothing on a trip past the work (so that when at most one
+    trip is ever needed it runs once, with no loop: less to compile)."""
+    if max_trips == 1:
+        return body(jnp.int32(0), init)
+    return jax.lax.fori_loop(0, trips, body, init)
+
+
+def _compute_received(
+    experts: Experts, x: Array, ids: Array, weight: Array, cfg: MoEConfig, *, impl, pairs, in_scale, tensor_axis
+) -> Array:
+    """The weighted partial sums `[R, H]` float32 of the received rows `x [R, H]` over their local slots.
+
+    Only the local (token, slot) pairs are computed: they are compacted (in row order) into a list, which is run
+    through the plan `pairs` at a time, one slot per row (`Slots [pairs, 1]`), and each result is added to its
+    row. A `while` loop over ceil(local pairs / pairs) chunks: a device that received more than the capacity
+    computes it all, in more chunks.
+
+    Args:
+      ids: `[R, K]` local expert ids; >= the number of local experts: not here (another device's, or padding).
+      weight: `[R, K]` each slot's output weight, or its input scale when `in_scale`.
+    """
+    R, K = ids.shape
+    num_local = experts.num_experts
+    local = (ids < num_local).reshape(-1)  # [R·K]
+    count = local.sum(dtype=jnp.int32)
+    position = jnp.where(local, jnp.cumsum(local) - 1, R * K)
+    pair_slot = jnp.zeros(R * K, jnp.int32).at[position].set(jnp.arange(R * K, dtype=jnp.int32), mode="drop")
+    # The plan's blocks are sized for a chunk's expected load per local expert.
+    num_pairs = -(-pairs * cfg.num_experts // num_local)
+
+    def one_chunk(c: Array, out: Array) -> Array:
+        index = c * pairs + jnp.arange(pairs)
+        live = index < count  # [pairs] False past the last local pair
+        flat = jnp.where(live, pair_slot[jnp.minimum(index, R * K - 1)], 0)  # [pairs] into [R·K]
+        row = flat // K
+        chunk_ids = jnp.where(live, ids.reshape(-1)[flat], num_local)[:, None]  # [pairs, 1]
+        chunk_w = jnp.where(live, weight.reshape(-1)[flat], 0.0)[:, None]
+        # Llama-4 scales the input by the routing weight and sums the outputs unweighted.
+        slots = Slots(chunk_ids, live[:, None].astype(jnp.float32), chunk_w) if in_scale else Slots(chunk_ids, chunk_w)
+        y = partial_routed_sum(
+            experts, x[row], slots, cfg, impl=impl, num_pairs=num_pairs, tensor_axis=tensor_axis
+        )  # [pairs, H]
+        return out.at[jnp.where(live, row, R)].add(y, mode="drop")
+
+    out = jnp.zeros((R, x.shape[-1]), jnp.float32)
+    return _repeat(one_chunk, -(-count // pairs), -(-R * K // pairs), out)
+
+
+def _all_to_all_body(
+    params, x, token_ids, *, cfg, impl, expert_axis, tensor_axis, num_tokens, n, capacity, placement=None
+):
     """Per device: its `x [T/n, H]` tokens; dispatch, compute, return, combine -> (`[T/n, H]` float32, stats).
 
     `num_local` is the number of experts (or, with a placement, slots) per device; `ids` the expert (or slot)
-    id of each pair."""
+    id of each pair; `capacity` = `all_to_all_capacity(...)`."""
     T_l, H = x.shape
     K, E = cfg.top_k, cfg.num_experts
+    rows_per_block, pairs_per_chunk = capacity
     num_local = params.experts.num_experts
     me = jax.lax.axis_index(expert_axis)
     routing = route(params, x, cfg, token_ids)  # [T_l, K]
@@ -349,57 +451,57 @@ def _all_to_all_body(params, x, token_ids, *, cfg, impl, expert_axis, tensor_axi
     ids = routing.indices if placement is None else placement.physical_ids(routing.indices, rows)  # [T_l, K]
     devices = jnp.arange(n)
     owner = jnp.where(real, ids // num_local, n)  # [T_l, K]; n: nobody
-    slot_on = owner[:, None, :] == devices[None, :, None]  # [T_l, n, K]
-    needs = slot_on.any(-1)  # [T_l, n] token t has a slot on device d
-    row = jnp.where(needs, jnp.cumsum(needs, axis=0) - 1, T_l)  # [T_l, n] its row in block d; T_l: not sent
-
-    # Dispatch buffers [n, T_l, ...]: block d holds the rows for device d, compacted at the front.
-    local_ids = jnp.where(slot_on, ids[:, None, :] - devices[None, :, None] * num_local, num_local)
+    needs = (owner[:, None, :] == devices[None, :, None]).any(-1)  # [T_l, n] token t visits device d
     # One weight per slot travels: the input scale where the family scales inputs (Llama-4), else the output weight.
     slots = slots_from_routing(routing, cfg)
-    weight = slots.out_weight if slots.in_scale is None else slots.in_scale
-    local_w = jnp.where(slot_on, weight[:, None, :], 0.0)  # [T_l, n, K]
-    # Ids and weights travel in one int32 buffer (weights bitcast: integers are never flushed or rounded).
-    meta = jnp.concatenate([local_ids, jax.lax.bitcast_convert_type(local_w, jnp.int32)], -1)  # [T_l, n, 2K]
-    at = (devices[None, :], row)  # scatter index [T_l, n]; rows == T_l are dropped
-    send_x = jnp.zeros((n, T_l, H), x_e.dtype).at[at].set(jnp.broadcast_to(x_e[:, None], (T_l, n, H)), mode="drop")
-    empty = jnp.concatenate([jnp.full((n, T_l, K), num_local, jnp.int32), jnp.zeros((n, T_l, K), jnp.int32)], -1)
-    send_meta = empty.at[at].set(meta, mode="drop")  # [n, T_l, 2K]; empty rows: sentinel ids, weight 0
+    weight = slots.out_weight if slots.in_scale is None else slots.in_scale  # [T_l, K]
 
-    recv_x = jax.lax.all_to_all(send_x, expert_axis, 0, 0)  # [n, T_l, H] block s: rows from device s
-    recv_meta = jax.lax.all_to_all(send_meta, expert_axis, 0, 0)
-    R = n * T_l
-    recv_meta = recv_meta.reshape(R, 2 * K)
-    recv_ids = recv_meta[:, :K]
-    recv_w = jax.lax.bitcast_convert_type(recv_meta[:, K:], jnp.float32)
-    if slots.in_scale is None:
-        received = Slots(recv_ids, recv_w)
-    else:
-        received = Slots(recv_ids, (recv_ids < num_local).astype(jnp.float32), recv_w)
-    partial = partial_routed_sum(
-        params.experts,
-        recv_x.reshape(R, H),
-        received,
-        cfg,
-        impl=impl,
-        num_pairs=num_tokens * K,
-        tensor_axis=tensor_axis,
-    )  # [R, H] float32
-    back = jax.lax.all_to_all(partial.reshape(n, T_l, H), expert_axis, 0, 0)  # block d: my rows, done by d
-    per_device = back[devices[None, :], jnp.minimum(row, T_l - 1)]  # [T_l, n, H]
-    routed = jnp.where(needs[..., None], per_device, 0.0).sum(1)  # [T_l, H]
+    # The visits to each device in token order, T_l past the last: visit v to d is sent in round v // rows_per_block.
+    num_rounds = -(-T_l // rows_per_block)
+    rank = jnp.where(needs, jnp.cumsum(needs, axis=0) - 1, num_rounds * rows_per_block)  # [T_l, n]
+    visits = jnp.full((n, num_rounds * rows_per_block), T_l, jnp.int32)
+    visits = visits.at[devices[None, :], rank].set(jnp.arange(T_l, dtype=jnp.int32)[:, None], mode="drop")
+    # Every device runs the same number of rounds (each round is a collective): enough for the busiest block.
+    rounds = jax.lax.pmax(-(-needs.sum(0, dtype=jnp.int32).max() // rows_per_block), expert_axis)
+
+    def one_round(r: Array, routed: Array) -> Array:
+        token = jax.lax.dynamic_slice_in_dim(visits, r * rows_per_block, rows_per_block, 1)  # [n, C] T_l: empty
+        sent = token < T_l
+        token = jnp.minimum(token, T_l - 1)
+        here = (owner[token] == devices[:, None, None]) & sent[..., None]  # [n, C, K] slots block d computes
+        local_ids = jnp.where(here, ids[token] - devices[:, None, None] * num_local, num_local)
+        local_w = jnp.where(here, weight[token], 0.0)
+        # Ids and weights travel in one int32 buffer (weights bitcast: integers are never flushed or rounded).
+        meta = jnp.concatenate([local_ids, jax.lax.bitcast_convert_type(local_w, jnp.int32)], -1)  # [n, C, 2K]
+        recv_x = jax.lax.all_to_all(x_e[token], expert_axis, 0, 0)  # [n, C, H] block s: rows from device s
+        recv_meta = jax.lax.all_to_all(meta, expert_axis, 0, 0).reshape(n * rows_per_block, 2 * K)
+        partial = _compute_received(
+            params.experts,
+            recv_x.reshape(n * rows_per_block, H),
+            recv_meta[:, :K],
+            jax.lax.bitcast_convert_type(recv_meta[:, K:], jnp.float32),
+            cfg,
+            impl=impl,
+            pairs=pairs_per_chunk,
+            in_scale=slots.in_scale is not None,
+            tensor_axis=tensor_axis,
+        )  # [n·C, H] float32
+        back = jax.lax.all_to_all(partial.reshape(n, rows_per_block, H), expert_axis, 0, 0)  # block d: done by d
+        return routed.at[jnp.where(sent, token, T_l)].add(back, mode="drop")
+
+    routed = _repeat(one_round, rounds, num_rounds, jnp.zeros((T_l, H), jnp.float32))  # [T_l, H]
     if tensor_axis is not None:
         routed = jax.lax.psum(routed, tensor_axis)
     out = add_once(routed, x_e, routing, params.shared, cfg, tensor_axis=tensor_axis, float32=impl == "reference")
 
-    mine = owner == me
-    local_pairs = mine.sum(dtype=jnp.int32)
+    local_pairs = (owner == me).sum(dtype=jnp.int32)
+    pairs_to = jnp.bincount(owner.reshape(-1), length=n + 1)[:n].astype(jnp.int32)  # [n] my pairs per device
     stats = EPStats(
         local_pairs=local_pairs[None],
         remote_pairs=(real.sum(dtype=jnp.int32) - local_pairs)[None],
         remote_rows=(needs.sum(dtype=jnp.int32) - needs[:, me].sum(dtype=jnp.int32))[None],
         expert_load=jax.lax.psum(_expert_load(routing, cfg, valid), expert_axis),
-        device_load=(recv_ids < num_local).sum(dtype=jnp.int32)[None],
+        device_load=jax.lax.psum(pairs_to, expert_axis)[me][None],
     )
     return out, stats
 
@@ -415,12 +517,15 @@ def communication_bytes(
     expert_size: int,
     tensor_size: int = 1,
     dtype: jnp.dtype = jnp.float32,
+    capacity_factor: float = CAPACITY_FACTOR,
 ) -> dict[str, int]:
     """Bytes one device sends per `moe_forward_ep` call, from the shapes (the static buffers, whatever the routing).
 
     A psum over g devices is counted as a ring all-reduce, `2·(g-1)/g` of the buffer; an all-to-all over n devices
     sends `(n-1)/n` of its buffer (the block for the device itself stays). Inputs are taken as already placed
-    (replicated for "replicated", split for "all_to_all").
+    (replicated for "replicated", split for "all_to_all"). "all_to_all" is counted for one round, which holds the
+    load of uniform routing times `capacity_factor` (`all_to_all_capacity`); a call whose routing overflows a
+    block runs more rounds, each sending as much again.
 
     Returns:
       {"dispatch": tokens and slot metadata sent, "combine": partial results sent back, "reduce": psums, "total"}.
@@ -436,12 +541,12 @@ def communication_bytes(
         reduce = all_reduce(n * tp, num_tokens * H * f32) + shared * all_reduce(tp, num_tokens * H * f32)
         sizes = {"dispatch": 0, "combine": 0, "reduce": reduce}
     elif mode == "all_to_all":
-        T_l = -(-num_tokens // n)
-        sent_rows = (n - 1) * T_l  # [n, T_l] rows minus this device's own block
+        rows_per_block, _ = all_to_all_capacity(cfg, num_tokens, n, capacity_factor)
+        sent_rows = (n - 1) * rows_per_block  # [n, rows] minus this device's own block
         sizes = {
             "dispatch": sent_rows * (H * itemsize + 2 * K * 4),  # token row + int32 ids and weights per slot
             "combine": sent_rows * H * f32,
-            "reduce": (1 + shared) * all_reduce(tp, T_l * H * f32),
+            "reduce": (1 + shared) * all_reduce(tp, -(-num_tokens // n) * H * f32),
         }
     else:
         raise ValueError(f"mode={mode!r} is not one of {EP_MODES}")
@@ -480,6 +585,7 @@ def moe_forward_ep(
     impl: str = "auto",
     return_stats: bool = False,
     placement: Placement | None = None,
+    capacity_factor: float = CAPACITY_FACTOR,
 ) -> Array | tuple[Array, MoEStats]:
     """`moejax.moe_forward` with the routed experts split over `expert_axis` of `mesh`. Jit-able.
 
@@ -500,16 +606,24 @@ def moe_forward_ep(
       placement: a `moejax.placement.Placement` over the expert axis; `params` then hold the experts in its slot
         order (`shard_params(..., placement=placement)`), and each pair runs on one replica of its expert (module
         docstring). Static (hashable): a new placement compiles a new program.
+      capacity_factor: "all_to_all" mode: the dispatch and compute buffers hold this many times the load of uniform
+        routing (`all_to_all_capacity`); a heavier load is still computed exactly, in more rounds or chunks.
     Returns:
       `[..., H]` in x's dtype (and `MoEStats` when `return_stats`).
 
     Raises:
       ValueError: unknown mode or impl, a mesh axis missing, E not divisible by the expert-axis size (without a
-        placement), a placement that does not fit, or the shape errors of `moe_forward`.
+        placement), a placement that does not fit, a capacity_factor that is not > 0, or the shape errors of
+        `moe_forward`.
+      NotImplementedError: an impl that runs the Pallas kernels on a CPU mesh of more than one device
+        (`check_kernels_can_run`).
     """
     if mode not in EP_MODES:
         raise ValueError(f"mode={mode!r} is not one of {EP_MODES}")
+    if not (isinstance(capacity_factor, int | float) and math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ValueError(f"capacity_factor={capacity_factor!r} must be a finite number > 0")
     check_mesh(cfg, mesh, expert_axis, tensor_axis, placement=placement)
+    check_kernels_can_run(impl, mesh)
     if placement is None:
         check_inputs(params, x, cfg, token_ids)
     else:
@@ -554,6 +668,7 @@ def moe_forward_ep(
             tensor_axis=tensor_axis,
             num_tokens=T,
             n=n,
+            capacity=all_to_all_capacity(cfg, T, n, capacity_factor),
             placement=placement,
         )
         token_spec = P(expert_axis)
