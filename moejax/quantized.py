@@ -48,6 +48,7 @@ from moejax.weights import (
     ExpertWeights,
     PerExpert,
     as_stacked,
+    check_experts,
     format_of,
     from_host,
     small_normal,
@@ -371,9 +372,9 @@ def quantize_projection(w: np.ndarray, scheme: Scheme) -> dict[str, np.ndarray]:
     """One projection of one expert, float `[in, out]` -> the format's arrays `{q, scale, zero?, scale2?}`.
 
     Min-max scales, round-to-nearest-even. int: symmetric `scale = max|w| / (2^(b-1) - 1)`, asymmetric
-    `scale = (max(w, 0) - min(w, 0)) / (2^b - 1)` and `zp = round(-2^(b-1) - min/scale)`; scales rounded to
-    bfloat16 first (the checkpoints' dtype, so a save is exact). FP8: `scale = max|w| / 448` per 128x128 block
-    (float32). MXFP4: `scale = 2^(floor(log2 max|w|) - 2)` (OCP MX), values saturate at ±6. NVFP4: per-tensor
+    `scale = (max(w, 0) - min(w, 0)) / (2^b - 1)` and `zp = round(-2^(b-1) - min/scale)`. FP8: `scale = max|w| / 448` per
+    128x128 block, values clipped to ±448. Int and FP8 scales are rounded to bfloat16 first (compressed-tensors
+    stores them in bfloat16, DeepSeek in float32: a save is exact in both). MXFP4: `scale = 2^(floor(log2 max|w|) - 2)` (OCP MX), values saturate at ±6. NVFP4: per-tensor
     `scale2 = max|w| / (448·6)`, block `scale = e4m3(max|w_block| / (6·scale2))`.
     """
     w = np.asarray(w, np.float32)
@@ -384,9 +385,9 @@ def quantize_projection(w: np.ndarray, scheme: Scheme) -> dict[str, np.ndarray]:
         padded = np.zeros((gi * FP8_BLOCK, go * FP8_BLOCK), np.float32)
         padded[:n_in, :n_out] = w
         blocks = padded.reshape(gi, FP8_BLOCK, go, FP8_BLOCK)
-        scale = np.abs(blocks).max(axis=(1, 3)) / FP8_MAX
+        scale = _round_bf16(np.abs(blocks).max(axis=(1, 3)) / FP8_MAX)
         scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-        q = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:n_in, :n_out]
+        q = np.clip(blocks / scale[:, None, :, None], -FP8_MAX, FP8_MAX).reshape(padded.shape)[:n_in, :n_out]
         return {"q": q.astype(ml_dtypes.float8_e4m3fn), "scale": scale}
     g = scheme.group(n_in)
     wg = w.reshape(n_in // g, g, n_out)
@@ -760,7 +761,9 @@ def format_from_hf_tensors(
     names the key). Host arrays (numpy, or anything `np.asarray` reads); the result is placed in `layout`.
     """
     fields = fields_from_hf_tensors(tensors, cfg, quant)
-    return from_host(fields, quant.fmt, layout)
+    experts = from_host(fields, quant.fmt, layout)
+    check_experts(experts, cfg, "experts")
+    return experts
 
 
 def fields_from_hf_tensors(tensors: Mapping[str, Any], cfg, quant: HfQuant) -> dict[str, np.ndarray]:
@@ -798,7 +801,7 @@ def fields_from_hf_tensors(tensors: Mapping[str, Any], cfg, quant: HfQuant) -> d
         for e in range(E):
             prefix = f"experts.{e}.{names[p]}."
             for k, v in projection_from_hf(tensors, prefix, scheme, quant.source, *dims[p]).items():
-                per.setdefault(f"{p}_{k}", []).append(np.ascontiguousarray(v))
+                per.setdefault(f"{p}_{k}", []).append(np.asarray(v))  # (ascontiguousarray makes 0-d 1-d)
     fields = {name: np.stack(vs) for name, vs in per.items()}
     if cfg.expert_bias:
         for p in PROJECTIONS:
