@@ -368,14 +368,18 @@ def _round_bf16(v: np.ndarray) -> np.ndarray:
     return v.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def quantize_projection(w: np.ndarray, scheme: Scheme) -> dict[str, np.ndarray]:
+def quantize_projection(w: np.ndarray, scheme: Scheme, *, tensor_amax: float | None = None) -> dict[str, np.ndarray]:
     """One projection of one expert, float `[in, out]` -> the format's arrays `{q, scale, zero?, scale2?}`.
 
-    Min-max scales, round-to-nearest-even. int: symmetric `scale = max|w| / (2^(b-1) - 1)`, asymmetric
-    `scale = (max(w, 0) - min(w, 0)) / (2^b - 1)` and `zp = round(-2^(b-1) - min/scale)`. FP8: `scale = max|w| / 448` per
-    128x128 block, values clipped to ±448. Int and FP8 scales are rounded to bfloat16 first (compressed-tensors
-    stores them in bfloat16, DeepSeek in float32: a save is exact in both). MXFP4: `scale = 2^(floor(log2 max|w|) - 2)` (OCP MX), values saturate at ±6. NVFP4: per-tensor
-    `scale2 = max|w| / (448·6)`, block `scale = e4m3(max|w_block| / (6·scale2))`.
+    Min-max scales, round-to-nearest-even.
+      * int: symmetric `scale = max|w| / (2^(b-1) - 1)`; asymmetric `scale = (max(w, 0) - min(w, 0)) / (2^b - 1)`
+        and `zp = round(-2^(b-1) - min/scale)`.
+      * FP8: `scale = max|w| / 448` per 128x128 block, values clipped to ±448.
+      * MXFP4: `scale = 2^(floor(log2 max|w|) - 2)` (OCP MX), values saturate at ±6.
+      * NVFP4: per-tensor `scale2 = max|w| / (448·6)`, block `scale = e4m3(max|w_block| / (6·scale2))`.
+    Int and FP8 scales are rounded to bfloat16 first (compressed-tensors stores them in bfloat16, DeepSeek in
+    float32: a save is exact in both). `tensor_amax` overrides NVFP4's per-tensor max (gate and up share one, as
+    ModelOpt and llm-compressor fuse them).
     """
     w = np.asarray(w, np.float32)
     n_in, n_out = w.shape
@@ -416,7 +420,7 @@ def quantize_projection(w: np.ndarray, scheme: Scheme) -> dict[str, np.ndarray]:
         scale_f = np.ldexp(np.float32(1), exp).astype(np.float32)
         out["scale"] = (exp + 127).astype(np.uint8)
     else:  # nvfp4
-        tensor_amax = float(np.abs(w).max())
+        tensor_amax = float(np.abs(w).max()) if tensor_amax is None else tensor_amax
         scale2 = np.float32(tensor_amax / (FP8_MAX * FP4_MAX)) if tensor_amax > 0 else np.float32(1.0)
         block = (amax / (FP4_MAX * scale2)).astype(ml_dtypes.float8_e4m3fn)
         scale_f = block.astype(np.float32) * scale2
@@ -445,10 +449,12 @@ def quantize_experts(experts: Experts, fmt: type[QuantizedExperts]) -> Quantized
     if not isinstance(dense, ExpertWeights):
         raise TypeError(f"quantize takes dense experts (ExpertWeights), got {type(dense).__name__}")
     fields: dict[str, list[np.ndarray]] = {}
-    for p in PROJECTIONS:
-        w = getattr(dense, p)
-        for e in range(dense.num_experts):
-            for k, v in quantize_projection(np.asarray(w[e], np.float32), fmt.scheme).items():
+    for e in range(dense.num_experts):
+        ws = {p: np.asarray(getattr(dense, p)[e], np.float32) for p in PROJECTIONS}
+        gate_up_amax = float(max(np.abs(ws["gate"]).max(), np.abs(ws["up"]).max()))
+        for p, w in ws.items():
+            amax = gate_up_amax if p != "down" and fmt.scheme.kind == "nvfp4" else None
+            for k, v in quantize_projection(w, fmt.scheme, tensor_amax=amax).items():
                 fields.setdefault(f"{p}_{k}", []).append(v)
     stacked = {name: jnp.asarray(np.stack(vs)) for name, vs in fields.items()}
     biases = {k: getattr(dense, k) for k in ("gate_bias", "up_bias", "down_bias") if getattr(dense, k) is not None}
