@@ -264,16 +264,72 @@ class QuantizedExperts(ExpertFormat):
     def project(self, p: str, x: Array) -> Array:
         """`x [R, in] @ W_p` -> float32 `[R, out]` for one expert.
 
-        Up to REDUCE_MAX_ROWS rows: `Σ_in w·x` as one fused multiply-reduce (the packed weight streamed once, no
-        dequantized copy). More rows: the projection dequantized to float32 once, then a dot.
+        Up to REDUCE_MAX_ROWS rows: `Σ_in w·x` as one fused multiply-reduce over `(group, element)` with the
+        scale applied per element (the packed weight streamed once, no dequantized copy; `reduce_project`).
+        More rows: the projection dequantized to float32 once, then a dot.
         """
         x = x.astype(jnp.float32)
-        w = self.weight_view(p)
+        if x.shape[0] <= REDUCE_MAX_ROWS:
+            return self.reduce_project(p, x)
+        w = self.weight(p)
+        return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+    def reduce_project(self, p: str, x: Array) -> Array:
+        """`project` for a few rows, float32 `x [R, in]` -> `[R, out]`, shaped for XLA:CPU's fused reductions.
+
+        Each form is one reduction over the major axes `(group, element)` of an elementwise expression of the
+        packed bytes, the per-group scale broadcast inside it (measured on eight `[2048, 1536]` products, one
+        row: a reduce within groups followed by a second reduce over groups is 1.1-4x slower, a reduce over a
+        minor axis 10x). Zero points and int4's +8 offset are taken out of the sum: `Σ_j (q_j - z)·s·x_j =
+        Σ_j q_j·s·x_j - z·s·Σ_j x_j`, a `[G, out]` correction.
+          * int4: for a byte u = lo + 16·hi (lo the even element), `lo·x_e + hi·x_o = u·x_e + hi·(x_o - 16·x_e)`
+            with `hi = floor(u / 16)`: three float operations per byte, no nibble extraction in integers.
+          * FP4: each nibble decoded by `e2m1_to_f32`, even and odd elements against x_e and x_o.
+        """
+        s = self.scheme
         R = x.shape[0]
-        if R <= REDUCE_MAX_ROWS:
-            xv = x.reshape((R, *w.shape[:-1], 1))
-            return jnp.sum(w[None] * xv, axis=tuple(range(1, w.ndim)))
-        return jnp.dot(x, w.reshape(-1, w.shape[-1]), preferred_element_type=jnp.float32)
+        q = getattr(self, f"{p}_q")
+        scale = getattr(self, f"{p}_scale")
+        n_out = q.shape[-1]
+        if s.kind == "fp8_block":
+            # Scales expanded along out only ([in/128, out], small); full 128-row blocks as one reduction over
+            # (block, row), a partial last block as a second one.
+            n_in = q.shape[0]
+            full = n_in // FP8_BLOCK * FP8_BLOCK
+            s_out = jnp.repeat(scale.astype(jnp.float32), FP8_BLOCK, axis=1)[:, :n_out]  # [ceil(in/128), out]
+            y = jnp.zeros((R, n_out), jnp.float32)
+            if full:
+                w = q[:full].reshape(-1, FP8_BLOCK, n_out).astype(jnp.float32) * s_out[: full // FP8_BLOCK, None]
+                y = jnp.sum(w[None] * x[:, :full].reshape(R, -1, FP8_BLOCK, 1), axis=(1, 2))
+            if full < n_in:
+                w = q[full:].astype(jnp.float32) * s_out[-1]  # [in - full, out]
+                y = y + jnp.sum(w[None] * x[:, full:, None], axis=1)
+            return y
+        G = scale.shape[0]
+        if s.kind == "int":
+            sf = scale.astype(jnp.float32)[:, None, :]  # [G, 1, out]
+            xg = x.reshape(R, G, -1)  # [R, G, g]
+            if s.packed:
+                u = q.reshape(G, -1, n_out).astype(jnp.float32)  # [G, g/2, out]
+                hi = jnp.floor(u * (1 / 16))
+                xe, xo = xg[:, :, 0::2, None], xg[:, :, 1::2, None]  # [R, G, g/2, 1]
+                y = jnp.sum((u[None] * xe + hi[None] * (xo - 16 * xe)) * sf[None], axis=(1, 2))
+            else:
+                w = q.reshape(G, -1, n_out).astype(jnp.float32) * sf  # [G, g, out]
+                y = jnp.sum(w[None] * xg[..., None], axis=(1, 2))
+            zero = getattr(self, f"{p}_zero")
+            offset = 8.0 if s.packed else 0.0
+            if zero is None and not offset:
+                return y
+            z = offset if zero is None else zero.astype(jnp.float32) + offset  # [G, out] or a number
+            xsum = xg.sum(-1)  # [R, G]
+            return y - jnp.einsum("rg,go->ro", xsum, z * scale) if zero is not None else y - offset * (xsum @ scale)
+        sf = e8m0_to_f32(scale) if s.kind == "mxfp4" else scale.astype(jnp.float32) * getattr(self, f"{p}_scale2")
+        u = q.reshape(G, -1, n_out)  # [G, g/2, out]
+        xg = x.reshape(R, G, -1)
+        xe, xo = xg[:, :, 0::2, None], xg[:, :, 1::2, None]
+        v = e2m1_to_f32(u & 15)[None] * xe + e2m1_to_f32(u >> 4)[None] * xo
+        return jnp.sum(v * sf[None, :, None, :], axis=(1, 2))
 
     def gate_up(self, x: Array) -> tuple[Array, Array]:
         gate, up = self.project("gate", x), self.project("up", x)  # [R, I] each
