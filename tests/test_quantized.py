@@ -346,3 +346,21 @@ def test_errors_name_the_key():
     bad = dataclasses.replace(_quantized("int8")[2].experts, up_scale=jnp.zeros((8, 3, 96), jnp.float32))
     with pytest.raises(ValueError, match=r"params.experts.up_scale: expected shape \(8, 10, 96\)"):
         moejax.weights.check_experts(bad, cfg)
+
+
+@pytest.mark.parametrize("key", ["int8", "int4_asym", "mxfp4", "nvfp4"])
+def test_qwix_qarray_round_trip(key):
+    """qwix is optional (not a dependency): skipped where it is not installed."""
+    qarray = pytest.importorskip("qwix._src.core.qarray")
+    _, _, qparams = _quantized(key)
+    qarrays = Q.to_qwix(qparams.experts)
+    want = _dequantized(key).experts
+    for p in ("gate", "up", "down"):
+        np.testing.assert_allclose(qarray.dequantize(qarrays[p]), getattr(want, p), rtol=1e-6)
+    if key == "nvfp4":
+        with pytest.raises(NotImplementedError, match="two scales"):
+            Q.from_qwix(qarrays, Q.format_of(qparams.experts))
+        return
+    back = Q.from_qwix(qarrays, Q.format_of(qparams.experts))
+    for name, value in qparams.experts.fields().items():
+        np.testing.assert_array_equal(np.asarray(getattr(back, name)).view(np.uint8), np.asarray(value).view(np.uint8))
