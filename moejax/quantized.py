@@ -147,8 +147,9 @@ def e8m0_to_f32(s: Array) -> Array:
 # -- the formats -----------------------------------------------------------------------------------------------
 
 
-def _fan_in_init(kind: str, fan_in: int, scheme: Scheme):
-    """Random initialisers whose dequantized weights have |w| ~ 1/sqrt(fan_in), like the dense init."""
+def _init(scheme: Scheme, kind: str, fan_in: int):
+    """The random initialiser of array `kind` (q, scale, zero, scale2): dequantized weights with |w| ~
+    1/sqrt(fan_in), like the dense init."""
 
     def q_init(key, shape, dtype):
         if scheme.kind == "int" and scheme.bits == 8:
@@ -356,10 +357,6 @@ class QuantizedExperts(ExpertFormat):
 
 _FIELDS = [f"{p}_{k}" for p in PROJECTIONS for k in ("q", "scale", "zero", "scale2")]
 _FIELDS += ["gate_bias", "up_bias", "down_bias"]
-
-
-def _init(scheme: Scheme, kind: str, fan_in: int):
-    return _fan_in_init(kind, fan_in, scheme)
 
 
 @functools.cache
