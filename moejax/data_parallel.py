@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -118,9 +119,11 @@ def _names(entry) -> tuple[str, ...]:
 
 
 def _summed_stats(forward: Callable[..., Any], params, x, token_ids, *, row_axes: tuple[str, ...]):
-    """`forward`'s `(y, stats)` with the stats summed over the row shards and counted as one call."""
+    """`forward`'s `(y, stats)` with the stats summed over the row shards, as one call: the union is that of the
+    summed expert load (the distinct experts the whole batch chose), not a sum of the shards' unions."""
     y, stats = forward(params, x, token_ids)
     if row_axes:
-        calls = stats.calls
-        stats = dataclasses.replace(jax.lax.psum(stats, row_axes), calls=calls)
+        summed = jax.lax.psum(stats, row_axes)
+        union = jnp.sum(summed.expert_load > 0, dtype=jnp.int32)
+        stats = dataclasses.replace(summed, calls=stats.calls, union_size=union)
     return y, stats

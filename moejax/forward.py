@@ -53,9 +53,8 @@ def moe_forward(
     With `return_stats=True`, also the routing statistics of the call (`moejax.stats.MoEStats`, on device).
 
     On a mesh (x or params placed on several devices, Explicit or Auto axes) each device routes and computes the
-    rows of x it holds (`moejax.data_parallel`); the statistics are then summed over the row shards (`union_size`
-    is the sum of each shard's union: the expert reads of the whole mesh). An empty batch (no rows) gives an empty
-    output.
+    rows of x it holds (`moejax.data_parallel`); the statistics are then summed over the row shards (the union is
+    that of the whole batch, as on one device). An empty batch (no rows) gives an empty output.
     """
     token_ids = as_token_ids(token_ids, cfg)
     check_inputs(params, x, cfg, token_ids)
