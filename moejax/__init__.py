@@ -14,6 +14,7 @@ from moejax.config import (
 from moejax.forward import IMPLS, checked_moe_forward, moe_forward
 from moejax.layer import MoE
 from moejax.params import ExpertWeights, MoEParams, RouterParams, SharedParams, init_params
+from moejax.quantized import dequantize, quantize
 from moejax.routing import Routing, route
 from moejax.stats import MoEStats
 
@@ -35,9 +36,11 @@ __all__ = [
     "SharedExpert",
     "SharedParams",
     "checked_moe_forward",
+    "dequantize",
     "hf",
     "init_params",
     "moe_forward",
+    "quantize",
     "route",
 ]
 __version__ = "0.1.0"
