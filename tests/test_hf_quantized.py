@@ -387,3 +387,15 @@ def test_quantized_tensors_without_a_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotImplementedError, match=r"layer 0 .*experts\.0\.down_proj\.weight_scale_inv"):
         hf.load_layer(tmp_path, 0)
+
+
+def test_prefix_level_api_takes_the_quantization_config(tmp_path):
+    written = write_checkpoint(tmp_path, "modelopt_nvfp4")
+    cfg, want, _ = written[1]
+    params = hf.load_safetensors(tmp_path, cfg, "model.layers.1.mlp.", layout="stacked", quantization_config=_MODELOPT)
+    _assert_experts_equal(params.experts, want.experts, "modelopt")
+    tensors = hf.layer_tensors(params, _config("modelopt_nvfp4"), 1, hf_quant_config=_MODELOPT)
+    assert tensors["model.layers.1.mlp.experts.2.up_proj.weight"].dtype == np.uint8  # ModelOpt's packed e2m1
+    relative = {k.removeprefix("model.layers.1.mlp."): v for k, v in tensors.items()}
+    again = hf.params_from_hf(relative, cfg, layout="stacked", quantization_config=_MODELOPT)
+    _assert_params_identical(again, params)

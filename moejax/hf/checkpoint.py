@@ -3,7 +3,8 @@
 `load_layer(dir, L)` reads `config.json`, takes the family record of its `model_type`, finds which of the
 record's checkpoint classes the directory holds (the block prefix whose router key is present for layer L),
 and reads that block's tensors alone, shard by shard. `load_layers` does every MoE layer, reading each shard
-once. `save_layer` writes a block back under the family's on-disk keys.
+once. `save_layer` writes a block back under the family's on-disk keys. A quantized checkpoint's routed experts
+stay quantized both ways (`moejax.hf.quant`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from moejax.config import MoEConfig
 from moejax.hf import files as shards
 from moejax.hf import quant as hfquant
 from moejax.hf.configs import config_from_hf, family_config, is_composite, layer_kind, moe_layer_indices
-from moejax.hf.convert import layout_of, params_from_layout, params_to_hf
+from moejax.hf.convert import block_quant_of, layout_of, params_from_layout, params_to_hf
 from moejax.hf.families import Block, Family
 from moejax.hf.layouts import StateDict
 from moejax.hf.quant import BlockQuant
@@ -207,10 +208,22 @@ def load_layer(
       layout: the routed experts' layout (`moejax.weights`), as in `params_from_hf`.
     Returns:
       (the block's `MoEConfig`, its `MoEParams`). Only the block's tensors are read, file by file.
+
+    Quantized checkpoints (docs/FORMATS.md): config.json's `quantization_config` (compressed-tensors, DeepSeek's
+    `fp8`, gpt-oss's `mxfp4`, `modelopt`) or ModelOpt's `hf_quant_config.json` beside it picks the format, and the
+    routed experts stay in it (`moejax.quantized`: packed codes and scales as stored, per-expert keys or gpt-oss's
+    fused MXFP4 blocks; `moejax.dequantize(params)` gives dense float32 weights). Weight-only: activation scales
+    are not read. The router is read dense. moejax's shared expert is dense, so a quantized one (DeepSeek-V3's FP8
+    `shared_experts.*.weight` + `weight_scale_inv`) is dequantized on the host here, exactly (float32 scale math),
+    to float32 (then `dtype`). Modules named in the config's `ignore` / `modules_to_not_convert` /
+    `exclude_modules` are read dense. `dtype` never applies to codes or scales.
     Raises:
       ValueError: not a checkpoint directory, an unsupported model_type, a layer out of range or without an MoE
         block, keys that match no checkpoint class of the family, a shard missing; the message names the layer and
-        lists the prefixes that do hold an MoE block.
+        lists the prefixes that do hold an MoE block. For quantized checkpoints: an unknown `quant_method`, a scale
+        grid not matching its weight, a group not dividing `in`, a missing zero point or global scale (naming
+        the key).
+      NotImplementedError: quantized tensors without a quantization config; a scheme moejax does not hold.
     """
     opened = _Opened(checkpoint)
     cfg, block, keys = opened.block(layer_idx)
@@ -283,6 +296,7 @@ def load_safetensors(
     *,
     layout: Layout = "auto",
     family: str | None = None,
+    quantization_config: Mapping[str, Any] | None = None,
 ) -> MoEParams:
     """Load one MoE block from a (sharded) safetensors checkpoint, given its key prefix.
 
@@ -293,7 +307,7 @@ def load_safetensors(
       cfg: the block's config (see `params_from_hf`).
       prefix: the block's key prefix, e.g. `"model.layers.3.mlp."` (a missing trailing dot is added); for
         Gemma-4 and Step-3.7 checkpoints the decoder layer's, e.g. `"model.layers.3."`. `load_layer` finds it.
-      family: as in `params_from_hf`.
+      family, quantization_config: as in `params_from_hf`.
     Returns:
       `params_from_hf` of the tensors under `prefix`, with the prefix stripped.
     """
@@ -309,7 +323,8 @@ def load_safetensors(
     for path, file_keys in grouped.items():
         tensors |= shards.read_file(path, file_keys)
     sd = StateDict({key[len(prefix) :]: value for key, value in tensors.items()})
-    return params_from_layout(sd, cfg, layout_of(sd.raw, family), layout)
+    key_layout = layout_of(sd.raw, family)
+    return params_from_layout(sd, cfg, key_layout, layout, block_quant_of(sd, key_layout, quantization_config))
 
 
 # -- saving ----------------------------------------------------------------------------------------------------
@@ -333,16 +348,19 @@ def layer_tensors(
     *,
     checkpoint_class: str | None = None,
     experts: Literal["fused", "per_expert"] | None = None,
+    hf_quant_config: Mapping[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """The block of `layer_idx` as a checkpoint holds it: full keys (with the block prefix) -> numpy arrays.
 
     `checkpoint_class` picks one of the family record's checkpoint classes (default: the first that goes with
-    `hf_config`, text or multimodal); `experts` overrides how that class stores the routed experts.
+    `hf_config`, text or multimodal); `experts` overrides how that class stores the routed experts. Quantized
+    experts are written in the on-disk layout of `hf_config`'s `quantization_config` (or of ModelOpt's
+    `hf_quant_config`); the shared expert and router are written dense.
     """
     family, _ = family_config(hf_config)
     block = _block_for(family, checkpoint_class, is_composite(hf_config))
     config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-    quant = hfquant.from_configs(config, None)
+    quant = hfquant.from_configs(config, hf_quant_config)
     hf = quant.hf if quant is not None else None
     return _block_tensors(params, config_from_hf(hf_config, layer_idx), block, layer_idx, experts, hf)
 

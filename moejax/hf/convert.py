@@ -88,14 +88,21 @@ def params_from_hf(
         raise TypeError(f"cfg must be a moejax.MoEConfig, got {type(cfg).__name__}")
     sd = StateDict(state_dict)
     key_layout = layout_of(sd.raw, family)
-    quant = None
-    if quantization_config is not None:
-        if "quantization" in quantization_config and "quant_method" not in quantization_config:
-            hf = format_from_config(None, quantization_config)  # hf_quant_config.json
-        else:
-            hf = format_from_config(quantization_config)
-        quant = BlockQuant(hf, experts=True, shared=_shared_is_quantized(sd, key_layout, hf))
-    return params_from_layout(sd, cfg, key_layout, layout, quant)
+    return params_from_layout(sd, cfg, key_layout, layout, block_quant_of(sd, key_layout, quantization_config))
+
+
+def block_quant_of(
+    sd: StateDict, key_layout: KeyLayout, quantization_config: Mapping[str, Any] | None
+) -> BlockQuant | None:
+    """A block's quantization from a `quantization_config` (or ModelOpt's `{"quantization": ...}`) alone: the
+    routed experts in its format, the shared expert when its keys are quantized ones."""
+    if quantization_config is None:
+        return None
+    if "quantization" in quantization_config and "quant_method" not in quantization_config:
+        hf = format_from_config(None, quantization_config)  # hf_quant_config.json
+    else:
+        hf = format_from_config(quantization_config)
+    return BlockQuant(hf, experts=True, shared=_shared_is_quantized(sd, key_layout, hf))
 
 
 def _shared_is_quantized(sd: StateDict, key_layout: KeyLayout, hf: HfQuant) -> bool:

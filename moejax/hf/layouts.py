@@ -8,7 +8,8 @@ Reading is lenient where checkpoints in the wild differ (fused `experts.gate_up_
 `experts.{e}.gate_proj.weight` / Mixtral's `w1/w3/w2`, the correction bias under its alternative names), and
 strict about everything else: every key must be used or ignored by name, every shape checked. Writing uses the
 layout's own names. `experts_from_hf` is the one place that turns the routed experts' tensors into a weight
-format's fields (`moejax.weights`): quantized formats plug in there.
+format's fields (`moejax.weights`): dense, or a quantized format of `moejax.quantized` given the checkpoint's
+quantization (`moejax.hf.quant`).
 """
 
 from __future__ import annotations
@@ -138,7 +139,10 @@ class StateDict:
         described = ", ".join(f"{k!r} with shape {to_numpy(self.raw[k]).shape}" for k in extra[:8])
         more = f" and {len(extra) - 8} more" if len(extra) > 8 else ""
         if any(_QUANTIZED_KEY.search(k) and k != "router.scale" for k in extra):
-            raise NotImplementedError(f"quantized checkpoint tensors are not supported yet: {described}{more}")
+            raise NotImplementedError(
+                f"quantized checkpoint tensors without a quantization config, or in a layout moejax does not read: "
+                f"{described}{more} (load_layer reads the config; params_from_hf takes quantization_config=)"
+            )
         raise ValueError(f"state dict has unexpected keys {described}{more}: not used by {cfg}")
 
 
