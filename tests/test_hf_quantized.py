@@ -399,3 +399,16 @@ def test_prefix_level_api_takes_the_quantization_config(tmp_path):
     relative = {k.removeprefix("model.layers.1.mlp."): v for k, v in tensors.items()}
     again = hf.params_from_hf(relative, cfg, layout="stacked", quantization_config=_MODELOPT)
     _assert_params_identical(again, params)
+
+
+def test_dense_experts_saved_into_a_quantized_checkpoint_are_ignored_by_the_config(tmp_path):
+    write_checkpoint(tmp_path, "w8a16")
+    _, params = hf.load_layer(tmp_path, 1, layout="stacked")
+    dense = moejax.dequantize(params)
+    hf.save_layer(tmp_path, 1, dense)
+    ignore = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "model.layers.1.mlp.experts.3.down_proj" in ignore and "model.layers.1.mlp.gate" not in ignore
+    _, again = hf.load_layer(tmp_path, 1, layout="stacked")
+    _assert_params_identical(again, dense)
+    _, other = hf.load_layer(tmp_path, 0, layout="stacked")
+    assert isinstance(other.experts, Q.QuantizedExperts)
