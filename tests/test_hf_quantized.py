@@ -8,6 +8,7 @@ from the spec in tests/test_quantized.py); the DeepSeek shared expert is checked
 dequantizer."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,7 @@ _DS = {
     "first_k_dense_replace": 0,
 }
 _GPT_OSS = {"model_type": "gpt_oss", "num_local_experts": E, "intermediate_size": I}
+_MIXTRAL = {"model_type": "mixtral", "num_local_experts": E, "intermediate_size": I}  # w1/w3/w2, block_sparse_moe.
 _MODELOPT = {"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head", "*.mlp.gate"]}}
 
 # name -> (config.json text fields, quantization_config or None, hf_quant_config.json or None,
@@ -101,7 +103,20 @@ CASES = {
         "gpt-oss",
     ),
     "modelopt_nvfp4": (_QWEN, None, _MODELOPT, ("nvfp4", {}), "modelopt"),
+    "mixtral_w4a16": (
+        _MIXTRAL,
+        _ct(_int(4), "pack-quantized", ignore=("lm_head", "re:.*block_sparse_moe.gate$")),
+        None,
+        ("int4", {"group_size": 32}),
+        "compressed-tensors",
+    ),
 }
+_W1_W3_W2 = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _prefix(name: str, layer: int) -> str:
+    module = "block_sparse_moe" if CASES[name][0] is _MIXTRAL else "mlp"
+    return f"model.layers.{layer}.{module}."
 
 
 def _config(name: str) -> dict:
@@ -138,8 +153,10 @@ def write_checkpoint(path, name, *, mutate=None, shards=3, seed=0):
         dense = moejax.init_params(cfg, jax.random.key(seed + layer), layout="stacked")
         qparams = moejax.quantize(dense, cfg, fmt_name, **options)
         quant = Q.HfQuant(Q.format_of(qparams.experts), source)
-        prefix = f"model.layers.{layer}.mlp."
+        prefix = _prefix(name, layer)
         block = {k: np.asarray(v) for k, v in Q.format_to_hf_tensors(qparams.experts, quant).items()}
+        if text is _MIXTRAL:
+            block = {re.sub(r"\.(\w+_proj)\.", lambda m: f".{_W1_W3_W2[m[1]]}.", k): v for k, v in block.items()}
         router = np.asarray(dense.router.kernel).T.astype(ml_dtypes.bfloat16)
         shared = None
         if text is _GPT_OSS:
@@ -283,8 +300,8 @@ def test_save_round_trip_is_exact(tmp_path, name):
     _, params = hf.load_layer(tmp_path, 1, layout="stacked")
     shard = hf.save_layer(tmp_path, 1, params)
     written = hf.files.read_file(shard, hf.files.weight_map(shard))
-    expert_keys = [k for k in written if k.startswith("model.layers.1.mlp.experts.")]
-    assert expert_keys
+    expert_keys = [k for k in written if k.startswith(_prefix(name, 1) + "experts.")]
+    assert expert_keys and all(k in original for k in expert_keys)
     for key in expert_keys:  # the routed experts in the checkpoint's own on-disk layout, bit for bit
         if key.endswith("weight_global_scale"):  # the reciprocal of the in-memory multiplier: 1 ulp
             np.testing.assert_allclose(written[key], original[key], rtol=2**-23)
