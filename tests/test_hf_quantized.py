@@ -429,3 +429,19 @@ def test_dense_experts_saved_into_a_quantized_checkpoint_are_ignored_by_the_conf
     _assert_params_identical(again, dense)
     _, other = hf.load_layer(tmp_path, 0, layout="stacked")
     assert isinstance(other.experts, Q.QuantizedExperts)
+
+
+@pytest.mark.parametrize("name", ["w4a16_asym", "nvfp4a16", "mxfp4a16"])  # FP8: test_load_layer_keeps_experts_quantized
+def test_host_dequantizer_of_a_shared_expert_equals_the_format(name):
+    """`moejax.hf.quant.dequantize_projection` (numpy, for a quantized shared expert) against the format's own
+    dequantization, bit for bit."""
+    from moejax.hf.quant import dequantize_projection
+
+    cfg = hf.config_from_hf(_config(name), 0)
+    fmt_name, options = CASES[name][3]
+    qparams = moejax.quantize(moejax.init_params(cfg, jax.random.key(2), layout="stacked"), cfg, fmt_name, **options)
+    experts, dense = qparams.experts, moejax.dequantize(qparams).experts
+    for p in ("gate", "down"):
+        fields = {k: getattr(experts, f"{p}_{k}") for k in ("q", "scale", "zero", "scale2")}
+        got = dequantize_projection({k: np.asarray(v)[1] for k, v in fields.items() if v is not None}, experts.scheme)
+        np.testing.assert_array_equal(got, np.asarray(getattr(dense, p)[1]))
