@@ -26,6 +26,7 @@ from moejax.hf import quant as hfquant
 from moejax.hf.configs import config_from_hf, family_config, is_composite, layer_kind, moe_layer_indices
 from moejax.hf.convert import block_quant_of, layout_of, params_from_layout, params_to_hf
 from moejax.hf.families import Block, Family
+from moejax.hf.hfconfig import as_dict
 from moejax.hf.layouts import StateDict
 from moejax.hf.quant import BlockQuant
 from moejax.params import MoEParams
@@ -359,8 +360,7 @@ def layer_tensors(
     """
     family, _ = family_config(hf_config)
     block = _block_for(family, checkpoint_class, is_composite(hf_config))
-    config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-    quant = hfquant.from_configs(config, hf_quant_config)
+    quant = hfquant.from_configs(as_dict(hf_config), hf_quant_config)
     hf = quant.hf if quant is not None else None
     return _block_tensors(params, config_from_hf(hf_config, layer_idx), block, layer_idx, experts, hf)
 
@@ -429,8 +429,6 @@ def save_layer(
         block = _block_for(family, checkpoint_class, is_composite(config))
     hf = quant.hf if quant is not None else None
     tensors = _block_tensors(params, config_from_hf(config, layer_idx), block, layer_idx, experts, hf)
-    if quant is not None:
-        _ignore_dense_modules(path, config, quant, tensors, block.at(layer_idx), params)
     if existing is not None:
         prefix = existing.at(layer_idx)
         owned = [k for k in weight_map if k.startswith(prefix) and existing.layout.owns(k[len(prefix) :])]
@@ -439,6 +437,8 @@ def save_layer(
     save_file(tensors, shard)
     weight_map |= dict.fromkeys(tensors, shard)
     _write_index(path, weight_map)
+    if quant is not None:
+        _ignore_dense_modules(path, config, quant, tensors, block.at(layer_idx), params)
     return shard
 
 
