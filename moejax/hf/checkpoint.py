@@ -3,12 +3,14 @@
 `load_layer(dir, L)` reads `config.json`, takes the family record of its `model_type`, finds which of the
 record's checkpoint classes the directory holds (the block prefix whose router key is present for layer L),
 and reads that block's tensors alone, shard by shard. `load_layers` does every MoE layer, reading each shard
-once. `save_layer` writes a block back under the family's on-disk keys.
+once. `save_layer` writes a block back under the family's on-disk keys. A quantized checkpoint's routed experts
+stay quantized both ways (`moejax.hf.quant`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -20,12 +22,16 @@ import numpy as np
 
 from moejax.config import MoEConfig
 from moejax.hf import files as shards
+from moejax.hf import quant as hfquant
 from moejax.hf.configs import config_from_hf, family_config, is_composite, layer_kind, moe_layer_indices
-from moejax.hf.convert import layout_of, params_from_layout, params_to_hf
+from moejax.hf.convert import block_quant_of, layout_of, params_from_layout, params_to_hf
 from moejax.hf.families import Block, Family
+from moejax.hf.hfconfig import as_dict
 from moejax.hf.layouts import StateDict
+from moejax.hf.quant import BlockQuant
 from moejax.params import MoEParams
-from moejax.weights import Layout
+from moejax.quantized import HfQuant, QuantizedExperts
+from moejax.weights import Layout, as_stacked
 
 CONFIG = "config.json"
 Checkpoint = str | os.PathLike
@@ -88,6 +94,7 @@ class _Opened:
             self.hf_config = json.load(f)
         self.path = path
         self.family, self.text = family_config(self.hf_config)
+        self.quant = hfquant.read(path, self.hf_config)
         self.weight_map = shards.weight_map(path)
 
     def prefixes(self) -> list[str]:
@@ -111,6 +118,28 @@ class _Opened:
         keys = [k for k in self.weight_map if k.startswith(prefix) and block.layout.owns(k[len(prefix) :])]
         return config_from_hf(self.hf_config, layer), block, keys
 
+    def block_quant(self, layer: int, block: Block, keys: list[str]) -> BlockQuant | None:
+        """Which of the block's modules the checkpoint's quantization config quantizes (None: a dense checkpoint).
+
+        The routed experts are quantized unless every expert module is in the config's ignore list; the shared
+        expert likewise; a block with some expert modules ignored and others not is not supported.
+        """
+        if self.quant is None:
+            return None
+        prefix = block.at(layer)
+        found = {}
+        for part, starts in (("experts", ("experts.",)), ("shared", ("shared_expert.", "shared_experts."))):
+            modules = sorted({k.rsplit(".", 1)[0] for k in keys if k[len(prefix) :].startswith(starts)})
+            quantized = [self.quant.quantizes(m) for m in modules]
+            if any(quantized) and not all(quantized):
+                dense = [m for m, q in zip(modules, quantized, strict=True) if not q]
+                raise NotImplementedError(
+                    f"layer {layer}: the quantization config ignores some {part} modules ({dense[:3]}...) but not "
+                    "all: one format per block is supported"
+                )
+            found[part] = bool(modules) and all(quantized)
+        return BlockQuant(self.quant.hf, experts=found["experts"], shared=found["shared"])
+
 
 # -- loading ---------------------------------------------------------------------------------------------------
 
@@ -119,24 +148,50 @@ class _Opened:
 _CASTABLE = frozenset(np.dtype(t) for t in (np.float64, np.float32, np.float16, ml_dtypes.bfloat16))
 
 
-def _cast(tensors: dict[str, np.ndarray], dtype: Any, keep: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Floating tensors in `dtype`, except `keep` (the correction bias stays float32 as in transformers)."""
+def _quantized_tensor(key: str, quant: BlockQuant | None) -> bool:
+    """A quantized module's codes or scales (never cast); its biases are ordinary tensors."""
+    if quant is None or key.endswith("bias"):
+        return False
+    return (quant.experts and key.startswith("experts.")) or (
+        quant.shared and key.startswith(("shared_expert.", "shared_experts."))
+    )
+
+
+def _cast(
+    tensors: dict[str, np.ndarray], dtype: Any, keep: tuple[str, ...], quant: BlockQuant | None = None
+) -> dict[str, np.ndarray]:
+    """Floating tensors in `dtype`, except `keep` (the correction bias stays float32 as in transformers) and the
+    codes and scales of quantized modules."""
     if dtype is None:
         return tensors
     dtype = np.dtype(dtype)
-    return {k: v.astype(dtype) if v.dtype in _CASTABLE and k not in keep else v for k, v in tensors.items()}
+    return {
+        k: v.astype(dtype) if v.dtype in _CASTABLE and k not in keep and not _quantized_tensor(k, quant) else v
+        for k, v in tensors.items()
+    }
 
 
 def _params(
-    cfg: MoEConfig, block: Block, layer: int, tensors: dict[str, np.ndarray], dtype: Any, layout: Layout
+    cfg: MoEConfig,
+    block: Block,
+    layer: int,
+    tensors: dict[str, np.ndarray],
+    dtype: Any,
+    layout: Layout,
+    quant: BlockQuant | None = None,
 ) -> MoEParams:
     prefix = block.at(layer)
     relative = {key[len(prefix) :]: value for key, value in tensors.items()}
-    relative = _cast(relative, dtype, block.layout.correction)
+    relative = _cast(relative, dtype, block.layout.correction, quant)
     try:
-        return params_from_layout(StateDict(relative), cfg, block.layout, layout)
-    except ValueError as e:
-        raise ValueError(f"layer {layer} ({block.checkpoint}, prefix {prefix!r}): {e}") from None
+        params = params_from_layout(StateDict(relative), cfg, block.layout, layout, quant)
+    except (ValueError, NotImplementedError) as e:
+        raise type(e)(f"layer {layer} ({block.checkpoint}, prefix {prefix!r}): {e}") from None
+    if dtype is not None and quant is not None and quant.shared:  # dequantized to float32 on the host
+        shared = params.shared
+        cast = {f: getattr(shared, f).astype(dtype) for f in ("gate", "up", "down")}
+        params = dataclasses.replace(params, shared=dataclasses.replace(shared, **cast))
+    return params
 
 
 def load_layer(
@@ -154,19 +209,32 @@ def load_layer(
       layout: the routed experts' layout (`moejax.weights`), as in `params_from_hf`.
     Returns:
       (the block's `MoEConfig`, its `MoEParams`). Only the block's tensors are read, file by file.
+
+    Quantized checkpoints (docs/FORMATS.md): config.json's `quantization_config` (compressed-tensors, DeepSeek's
+    `fp8`, gpt-oss's `mxfp4`, `modelopt`) or ModelOpt's `hf_quant_config.json` beside it picks the format, and the
+    routed experts stay in it (`moejax.quantized`: packed codes and scales as stored, per-expert keys or gpt-oss's
+    fused MXFP4 blocks; `moejax.dequantize(params)` gives dense float32 weights). Weight-only: activation scales
+    are not read. The router is read dense. moejax's shared expert is dense, so a quantized one (DeepSeek-V3's FP8
+    `shared_experts.*.weight` + `weight_scale_inv`) is dequantized on the host here, exactly (float32 scale math),
+    to float32 (then `dtype`). Modules named in the config's `ignore` / `modules_to_not_convert` /
+    `exclude_modules` are read dense. `dtype` never applies to codes or scales.
     Raises:
       ValueError: not a checkpoint directory, an unsupported model_type, a layer out of range or without an MoE
         block, keys that match no checkpoint class of the family, a shard missing; the message names the layer and
-        lists the prefixes that do hold an MoE block.
+        lists the prefixes that do hold an MoE block. For quantized checkpoints: an unknown `quant_method`, a scale
+        grid not matching its weight, a group not dividing `in`, a missing zero point or global scale (naming
+        the key).
+      NotImplementedError: quantized tensors without a quantization config; a scheme moejax does not hold.
     """
     opened = _Opened(checkpoint)
     cfg, block, keys = opened.block(layer_idx)
+    quant = opened.block_quant(layer_idx, block, keys)
     grouped = shards.by_file(opened.weight_map, keys)
     shards.check_files_exist(grouped, f"layer {layer_idx}")
     tensors: dict[str, np.ndarray] = {}
     for path, file_keys in grouped.items():
         tensors |= shards.read_file(path, file_keys)
-    return cfg, _params(cfg, block, layer_idx, tensors, dtype, layout)
+    return cfg, _params(cfg, block, layer_idx, tensors, dtype, layout, quant)
 
 
 @contextlib.contextmanager
@@ -201,6 +269,7 @@ def load_layers(
     if layer_indices is None:
         layer_indices = moe_layer_indices(opened.hf_config)
     blocks = {layer: opened.block(layer) for layer in layer_indices}
+    quants = {layer: opened.block_quant(layer, block, keys) for layer, (_, block, keys) in blocks.items()}
     pending = {layer: set(keys) for layer, (_, _, keys) in blocks.items()}
     grouped = shards.by_file(opened.weight_map, [k for layer in layer_indices for k in blocks[layer][2]])
     shards.check_files_exist(grouped, f"layers {layer_indices}")
@@ -214,7 +283,8 @@ def load_layers(
                 pending[owner[key]].discard(key)
             for layer in [layer for layer in tensors if not pending[layer]]:
                 cfg, block, _ = blocks[layer]
-                loaded[layer] = (cfg, _params(cfg, block, layer, tensors.pop(layer), dtype, layout))
+                params = _params(cfg, block, layer, tensors.pop(layer), dtype, layout, quants[layer])
+                loaded[layer] = (cfg, params)
             if advance is not None:
                 advance(os.path.basename(path))
     return [loaded[layer] for layer in layer_indices]
@@ -227,6 +297,7 @@ def load_safetensors(
     *,
     layout: Layout = "auto",
     family: str | None = None,
+    quantization_config: Mapping[str, Any] | None = None,
 ) -> MoEParams:
     """Load one MoE block from a (sharded) safetensors checkpoint, given its key prefix.
 
@@ -237,7 +308,7 @@ def load_safetensors(
       cfg: the block's config (see `params_from_hf`).
       prefix: the block's key prefix, e.g. `"model.layers.3.mlp."` (a missing trailing dot is added); for
         Gemma-4 and Step-3.7 checkpoints the decoder layer's, e.g. `"model.layers.3."`. `load_layer` finds it.
-      family: as in `params_from_hf`.
+      family, quantization_config: as in `params_from_hf`.
     Returns:
       `params_from_hf` of the tensors under `prefix`, with the prefix stripped.
     """
@@ -253,7 +324,8 @@ def load_safetensors(
     for path, file_keys in grouped.items():
         tensors |= shards.read_file(path, file_keys)
     sd = StateDict({key[len(prefix) :]: value for key, value in tensors.items()})
-    return params_from_layout(sd, cfg, layout_of(sd.raw, family), layout)
+    key_layout = layout_of(sd.raw, family)
+    return params_from_layout(sd, cfg, key_layout, layout, block_quant_of(sd, key_layout, quantization_config))
 
 
 # -- saving ----------------------------------------------------------------------------------------------------
@@ -277,21 +349,34 @@ def layer_tensors(
     *,
     checkpoint_class: str | None = None,
     experts: Literal["fused", "per_expert"] | None = None,
+    hf_quant_config: Mapping[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """The block of `layer_idx` as a checkpoint holds it: full keys (with the block prefix) -> numpy arrays.
 
     `checkpoint_class` picks one of the family record's checkpoint classes (default: the first that goes with
-    `hf_config`, text or multimodal); `experts` overrides how that class stores the routed experts.
+    `hf_config`, text or multimodal); `experts` overrides how that class stores the routed experts. Quantized
+    experts are written in the on-disk layout of `hf_config`'s `quantization_config` (or of ModelOpt's
+    `hf_quant_config`); the shared expert and router are written dense.
     """
     family, _ = family_config(hf_config)
     block = _block_for(family, checkpoint_class, is_composite(hf_config))
-    return _block_tensors(params, config_from_hf(hf_config, layer_idx), block, layer_idx, experts)
+    quant = hfquant.from_configs(as_dict(hf_config), hf_quant_config)
+    hf = quant.hf if quant is not None else None
+    return _block_tensors(params, config_from_hf(hf_config, layer_idx), block, layer_idx, experts, hf)
 
 
 def _block_tensors(
-    params: MoEParams, cfg: MoEConfig, block: Block, layer: int, experts: Literal["fused", "per_expert"] | None
+    params: MoEParams,
+    cfg: MoEConfig,
+    block: Block,
+    layer: int,
+    experts: Literal["fused", "per_expert"] | None,
+    quant: HfQuant | None = None,
 ) -> dict[str, np.ndarray]:
-    relative = params_to_hf(params, cfg, experts or block.experts, key_layout=block.layout)
+    try:
+        relative = params_to_hf(params, cfg, experts or block.experts, key_layout=block.layout, quant=quant)
+    except (ValueError, NotImplementedError) as e:
+        raise type(e)(f"layer {layer} ({block.checkpoint}): {e}") from None
     prefix = block.at(layer)
     return {prefix + key: np.ascontiguousarray(value) for key, value in relative.items()}
 
@@ -313,6 +398,15 @@ def save_layer(
     from the existing `.safetensors` files if there was none) and the old block's tensors are removed from the
     other shards, so `from_pretrained` and `load_layer` see the new block only. `hf_config` (a transformers config
     or its dict) is written as `config.json` when given; otherwise the directory's `config.json` is used.
+
+    Quantized checkpoints: the format comes from the checkpoint's config (`quantization_config` of `hf_config` or
+    of the directory's `config.json`, or ModelOpt's `hf_quant_config.json` in the directory); quantized routed
+    experts must be in that format and are written in its on-disk layout, so load -> save -> load is exact. No
+    quantization config is invented: saving quantized params where there is none is a ValueError (pass an
+    `hf_config` that has one). The modules written dense that the config would quantize (the shared expert, which
+    moejax holds dense, so DeepSeek-V3's FP8 one is written as its float32 dequantization; dense routed experts;
+    the router) are added to the config's ignore list (`ignore`, `modules_to_not_convert` or `exclude_modules`) in
+    `config.json` / `hf_quant_config.json`, so transformers and `load_layer` read them dense.
     Returns the new shard's path.
     """
     from safetensors.numpy import save_file
@@ -320,6 +414,12 @@ def save_layer(
     path = os.fspath(checkpoint)
     os.makedirs(path, exist_ok=True)
     config = _write_or_read_config(path, hf_config)
+    quant = hfquant.read(path, config)
+    if quant is None and isinstance(as_stacked(params.experts), QuantizedExperts):
+        raise ValueError(
+            f"layer {layer_idx}: params hold quantized experts ({type(as_stacked(params.experts)).__name__}) but "
+            f"{path} has no quantization config: pass an hf_config with a quantization_config (docs/FORMATS.md)"
+        )
     family, _ = family_config(config)
     weight_map = shards.weight_map(path) if _has_weights(path) else {}
     existing = find_block(family, weight_map, layer_idx)
@@ -327,7 +427,8 @@ def save_layer(
         block = existing
     else:
         block = _block_for(family, checkpoint_class, is_composite(config))
-    tensors = _block_tensors(params, config_from_hf(config, layer_idx), block, layer_idx, experts)
+    hf = quant.hf if quant is not None else None
+    tensors = _block_tensors(params, config_from_hf(config, layer_idx), block, layer_idx, experts, hf)
     if existing is not None:
         prefix = existing.at(layer_idx)
         owned = [k for k in weight_map if k.startswith(prefix) and existing.layout.owns(k[len(prefix) :])]
@@ -336,6 +437,8 @@ def save_layer(
     save_file(tensors, shard)
     weight_map |= dict.fromkeys(tensors, shard)
     _write_index(path, weight_map)
+    if quant is not None:
+        _ignore_dense_modules(path, config, quant, tensors, block.at(layer_idx), params)
     return shard
 
 
@@ -350,6 +453,34 @@ def _write_or_read_config(path: str, hf_config: Any) -> dict[str, Any]:
         raise ValueError(f"{path} has no {CONFIG}: pass hf_config")
     with open(config_path) as f:
         return json.load(f)
+
+
+def _ignore_dense_modules(
+    path: str,
+    config: dict[str, Any],
+    quant: hfquant.CheckpointQuant,
+    tensors: dict[str, np.ndarray],
+    prefix: str,
+    params: MoEParams,
+) -> None:
+    """Add the block's dense Linear modules (a 2-D or 3-D `.weight`, or fused dense experts, that is not a
+    quantized expert's) to the quantization config's ignore list where it would quantize them; write the config(s)."""
+    quantized_experts = isinstance(as_stacked(params.experts), QuantizedExperts)
+    dense = []
+    for key, value in tensors.items():
+        module, name = key.rsplit(".", 1)
+        if quantized_experts and key[len(prefix) :].startswith("experts."):
+            continue
+        fused = name in ("gate_up_proj", "down_proj") and module.endswith(".experts")
+        if fused or (name == "weight" and value.ndim in (2, 3)):
+            dense.append(module)
+    new_config, new_hqc = hfquant.with_dense_modules(quant, config, dict.fromkeys(dense))
+    if new_config is not config:
+        with open(os.path.join(path, CONFIG), "w") as f:
+            json.dump(new_config, f, indent=2, sort_keys=True)
+    if new_hqc is not None and new_hqc != quant.hf_quant_config:
+        with open(os.path.join(path, hfquant.HF_QUANT_CONFIG), "w") as f:
+            json.dump(new_hqc, f, indent=2)
 
 
 def _has_weights(path: str) -> bool:

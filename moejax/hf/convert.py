@@ -11,6 +11,7 @@ import numpy as np
 from moejax.config import MoEConfig, SharedExpert
 from moejax.hf.families import BY_NAME, DEEPSEEK, LAYOUTS, QWEN, KeyLayout
 from moejax.hf.layouts import (
+    GATE_UP_DOWN,
     StateDict,
     block_to_hf,
     experts_from_hf,
@@ -18,8 +19,10 @@ from moejax.hf.layouts import (
     router_from_hf,
     shared_from_hf,
 )
+from moejax.hf.quant import BlockQuant
 from moejax.params import MoEParams, check_params, flatten, unflatten, with_experts_layout
-from moejax.weights import Layout, from_host
+from moejax.quantized import HfQuant, QuantizedExperts, format_from_config, format_to_hf_tensors
+from moejax.weights import Layout, as_stacked, from_host
 
 
 def _family_layouts(family: str | None) -> tuple[KeyLayout, ...]:
@@ -48,7 +51,12 @@ def layout_of(keys: Any, family: str | None = None) -> KeyLayout:
 
 
 def params_from_hf(
-    state_dict: Mapping[str, Any], cfg: MoEConfig, *, layout: Layout = "auto", family: str | None = None
+    state_dict: Mapping[str, Any],
+    cfg: MoEConfig,
+    *,
+    layout: Layout = "auto",
+    family: str | None = None,
+    quantization_config: Mapping[str, Any] | None = None,
 ) -> MoEParams:
     """Convert the Hugging Face tensors of one MoE block into `MoEParams` (moejax's layout, dtypes kept).
 
@@ -57,34 +65,63 @@ def params_from_hf(
         (`gate.weight`, `experts.gate_up_proj`, ...); for Gemma-4 and Step-3.7's on-disk layout, relative to
         the decoder layer (`router.proj.weight`, `moe.gate_proj.weight`). Accepted expert layouts: the fused
         in-memory tensors of transformers, the per-expert keys `experts.{e}.{gate,up,down}_proj.weight`
-        (or `w1/w3/w2`; with `.bias` for gpt-oss), Step-3.7's stacked `moe.*`, and gpt-oss's MXFP4 blocks
-        (dequantized to bfloat16).
+        (or `w1/w3/w2`; with `.bias` for gpt-oss), Step-3.7's stacked `moe.*`, gpt-oss's MXFP4 blocks (read as
+        the MXFP4 format), and with `quantization_config` the quantized layouts of docs/FORMATS.md.
       cfg: the block's config, e.g. from `config_from_hf`.
       layout: the routed experts' layout (`moejax.weights`): "auto" is per-expert on a CPU backend (what
         XLA:CPU reads in place), stacked elsewhere.
       family: the moejax family (`moejax.FAMILIES`) whose key layouts to read; None: the layout is found from
         the keys (its router key), an error when they fit several.
+      quantization_config: config.json's `quantization_config` (or `{"quantization": ...}` of ModelOpt's
+        `hf_quant_config.json`): the routed experts stay in that quantized format (`moejax.quantized`) and a
+        quantized shared expert is dequantized to float32 on the host. Its ignore lists are not applied here
+        (they name full module paths): `moejax.hf.load_layer` applies them.
     Returns:
       `MoEParams` with weights `[in, out]`, gate and up apart. Arrays keep their dtype, except the correction
-      bias (float32), the hash table (int32) and MXFP4 experts (bfloat16).
+      bias (float32), the hash table (int32) and a dequantized shared expert (float32).
     Raises:
       ValueError: a missing key, an unexpected key (keys the family legitimately leaves unused are ignored by
         name), or a mis-shaped tensor; the message names the key and the expected and actual shapes.
-      NotImplementedError: quantized tensors other than gpt-oss's MXFP4 (FP8 block scales, ...).
+      NotImplementedError: quantized tensors without `quantization_config` (other than gpt-oss's MXFP4).
     """
     if not isinstance(cfg, MoEConfig):
         raise TypeError(f"cfg must be a moejax.MoEConfig, got {type(cfg).__name__}")
     sd = StateDict(state_dict)
     key_layout = layout_of(sd.raw, family)
-    return params_from_layout(sd, cfg, key_layout, layout)
+    return params_from_layout(sd, cfg, key_layout, layout, block_quant_of(sd, key_layout, quantization_config))
 
 
-def params_from_layout(sd: StateDict, cfg: MoEConfig, key_layout: KeyLayout, layout: Layout = "auto") -> MoEParams:
-    """`params_from_hf` for a known key layout."""
+def block_quant_of(
+    sd: StateDict, key_layout: KeyLayout, quantization_config: Mapping[str, Any] | None
+) -> BlockQuant | None:
+    """A block's quantization from a `quantization_config` (or ModelOpt's `{"quantization": ...}`) alone: the
+    routed experts in its format, the shared expert when its keys are quantized ones."""
+    if quantization_config is None:
+        return None
+    if "quantization" in quantization_config and "quant_method" not in quantization_config:
+        hf = format_from_config(None, quantization_config)  # hf_quant_config.json
+    else:
+        hf = format_from_config(quantization_config)
+    return BlockQuant(hf, experts=True, shared=_shared_is_quantized(sd, key_layout, hf))
+
+
+def _shared_is_quantized(sd: StateDict, key_layout: KeyLayout, hf: HfQuant) -> bool:
+    """Without module names to match an ignore list against: whether the shared MLP's keys are quantized ones."""
+    return hf.source != "gpt-oss" and any(
+        k.startswith(("shared_expert.", "shared_experts.", key_layout.shared_prefix))
+        and not k.endswith((".weight", ".bias"))
+        for k in sd.raw
+    )
+
+
+def params_from_layout(
+    sd: StateDict, cfg: MoEConfig, key_layout: KeyLayout, layout: Layout = "auto", quant: BlockQuant | None = None
+) -> MoEParams:
+    """`params_from_hf` for a known key layout; `quant` says which of the block's modules are quantized."""
     flat = router_from_hf(sd, key_layout, cfg)
-    fmt, expert_fields = experts_from_hf(sd, key_layout, cfg)
+    fmt, expert_fields = experts_from_hf(sd, key_layout, cfg, quant.hf if quant and quant.experts else None)
     if cfg.shared_expert is not SharedExpert.NONE:
-        flat |= shared_from_hf(sd, key_layout, cfg)
+        flat |= shared_from_hf(sd, key_layout, cfg, quant.hf if quant and quant.shared else None)
     if cfg.expert_prenorm:
         flat["expert_norm"] = sd.take("pre_feedforward_layernorm_2.weight", (cfg.hidden_size,))
     sd.check_all_used(ignored_keys(key_layout, cfg), cfg)
@@ -111,6 +148,7 @@ def params_to_hf(
     *,
     family: str | None = None,
     key_layout: KeyLayout | None = None,
+    quant: HfQuant | None = None,
 ) -> dict[str, np.ndarray]:
     """The inverse of `params_from_hf`: numpy arrays under Hugging Face keys relative to the block.
 
@@ -119,11 +157,46 @@ def params_to_hf(
     are those of `family`'s in-memory block (or of `key_layout`, e.g. an on-disk layout of a family record);
     without either, transformers' usual names, an error for configs they cannot hold. LongCat's
     `gate_up_proj` has zero rows for its zero experts, as transformers sizes it.
+
+    Quantized routed experts (`moejax.quantized`) are written in `quant`'s on-disk layout
+    (`moejax.quantized.format_to_hf_tensors`: per-expert keys, or gpt-oss's fused MXFP4 blocks whatever `layout`
+    says); `quant` may be left out for MXFP4 experts in the gpt-oss layout.
     """
     if layout not in ("fused", "per_expert"):
         raise ValueError(f"layout={layout!r} is not one of ['fused', 'per_expert']")
     check_params(params, cfg)
-    flat = {name: np.asarray(value) for name, value in flatten(with_experts_layout(params, "stacked")).items()}
+    quantized = isinstance(as_stacked(params.experts), QuantizedExperts)
+    flat = {
+        name: np.asarray(value)
+        for name, value in flatten(with_experts_layout(params, "stacked")).items()
+        if not (quantized and name.startswith("experts."))
+    }
     if key_layout is None:
         key_layout = _family_layouts(family)[0] if family is not None else _default_write_layout(cfg, flat)
-    return block_to_hf(flat, key_layout, cfg, layout)
+    hf = block_to_hf(flat, key_layout, cfg, layout)
+    if quantized:
+        hf |= _quantized_experts_to_hf(params.experts, key_layout, quant)
+    return hf
+
+
+def _quantized_experts_to_hf(experts: Any, key_layout: KeyLayout, quant: HfQuant | None) -> dict[str, np.ndarray]:
+    fmt = type(as_stacked(experts))
+    if quant is None:
+        if key_layout.experts != "gpt_oss" or fmt.scheme.kind != "mxfp4":
+            raise ValueError(f"experts are quantized ({fmt.__name__}): pass quant= (the checkpoint's on-disk layout)")
+        quant = HfQuant(fmt, "gpt-oss")
+    if (quant.source == "gpt-oss") != (key_layout.experts == "gpt_oss"):
+        raise ValueError(f"the {key_layout.name} layout cannot hold quantized experts in the {quant.source} layout")
+    if key_layout.experts == "stacked_moe":
+        raise NotImplementedError(
+            f"quantized experts in the {key_layout.name} layout (stacked moe.*) are not supported"
+        )
+    tensors = format_to_hf_tensors(experts, quant)
+    if quant.source == "gpt-oss" or key_layout.expert_names == GATE_UP_DOWN:
+        return tensors
+    rename = dict(zip(GATE_UP_DOWN, key_layout.expert_names, strict=True))
+    renamed = {}
+    for key, value in tensors.items():
+        _, e, name, suffix = key.split(".", 3)
+        renamed[f"experts.{e}.{rename[name]}.{suffix}"] = value
+    return renamed

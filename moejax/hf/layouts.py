@@ -8,7 +8,8 @@ Reading is lenient where checkpoints in the wild differ (fused `experts.gate_up_
 `experts.{e}.gate_proj.weight` / Mixtral's `w1/w3/w2`, the correction bias under its alternative names), and
 strict about everything else: every key must be used or ignored by name, every shape checked. Writing uses the
 layout's own names. `experts_from_hf` is the one place that turns the routed experts' tensors into a weight
-format's fields (`moejax.weights`): quantized formats plug in there.
+format's fields (`moejax.weights`): dense, or a quantized format of `moejax.quantized` given the checkpoint's
+quantization (`moejax.hf.quant`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ from typing import Any, Literal
 import ml_dtypes
 import numpy as np
 
+from moejax import quantized as Q
 from moejax.config import MoEConfig, SharedExpert
+from moejax.hf.quant import SUFFIXES as _QUANT_SUFFIXES
+from moejax.hf.quant import dequantize_projection
+from moejax.quantized import HfQuant
 from moejax.weights import ExpertFormat, ExpertWeights
 
 Names = tuple[str, str, str]  # (gate, up, down) Linear names
@@ -134,7 +139,10 @@ class StateDict:
         described = ", ".join(f"{k!r} with shape {to_numpy(self.raw[k]).shape}" for k in extra[:8])
         more = f" and {len(extra) - 8} more" if len(extra) > 8 else ""
         if any(_QUANTIZED_KEY.search(k) and k != "router.scale" for k in extra):
-            raise NotImplementedError(f"quantized checkpoint tensors are not supported yet: {described}{more}")
+            raise NotImplementedError(
+                f"quantized checkpoint tensors without a quantization config, or in a layout moejax does not read: "
+                f"{described}{more} (load_layer reads the config; params_from_hf takes quantization_config=)"
+            )
         raise ValueError(f"state dict has unexpected keys {described}{more}: not used by {cfg}")
 
 
@@ -161,14 +169,20 @@ def router_from_hf(sd: StateDict, layout: KeyLayout, cfg: MoEConfig) -> dict[str
 
 
 def experts_from_hf(
-    sd: StateDict, layout: KeyLayout, cfg: MoEConfig
+    sd: StateDict, layout: KeyLayout, cfg: MoEConfig, quant: HfQuant | None = None
 ) -> tuple[type[ExpertFormat], dict[str, np.ndarray]]:
     """The routed experts of one block: (their weight format, its fields as host arrays `[E, ...]`).
 
     The one place a checkpoint's expert tensors become a format: dense tensors give `ExpertWeights`
-    (`[in, out]`, gate and up apart); gpt-oss's MXFP4 blocks are dequantized to bfloat16 on the host here.
+    (`[in, out]`, gate and up apart); with `quant` (the checkpoint's quantization, `moejax.quantized.HfQuant`) the
+    experts stay in its quantized format (`moejax.quantized.fields_from_hf_tensors`). gpt-oss's MXFP4 blocks are
+    read as the MXFP4 format without `quant` too (their keys say what they are).
     """
     H, E, I = cfg.hidden_size, cfg.num_experts, cfg.intermediate_size
+    if quant is None and layout.experts == "gpt_oss" and "experts.gate_up_proj_blocks" in sd:
+        quant = Q.HfQuant(Q.quantized_format("mxfp4"), "gpt-oss")
+    if quant is not None:
+        return quant.fmt, _quantized_experts(sd, layout, cfg, quant)
     if layout.experts == "stacked_moe":  # Step-3.7 on disk: stacked per layer, Linear [out, in] per expert
         return ExpertWeights, {
             "gate": sd.take("moe.gate_proj.weight", (E, I, H)).transpose(0, 2, 1),
@@ -192,6 +206,26 @@ def experts_from_hf(
         "up": gate_up[:, I:, :].transpose(0, 2, 1),
         "down": down.transpose(0, 2, 1),
     }
+
+
+def _quantized_experts(sd: StateDict, layout: KeyLayout, cfg: MoEConfig, quant: HfQuant) -> dict[str, np.ndarray]:
+    """`fields_from_hf_tensors` of the expert keys; the keys of the source's quantized Linear modules are marked
+    used (activation scales too: weight-only), anything else under `experts.` is left for the unexpected-key check."""
+    if layout.experts == "stacked_moe":
+        raise NotImplementedError(f"quantized experts in the {layout.name} layout (stacked moe.*) are not supported")
+    if (quant.source == "gpt-oss") != (layout.experts == "gpt_oss"):
+        what = "gpt-oss's fused MXFP4 blocks" if quant.source == "gpt-oss" else f"{quant.source} per-expert keys"
+        raise ValueError(f"the {layout.name} layout does not hold {what}")
+    tensors = {k: v for k, v in sd.raw.items() if k.startswith("experts.")}
+    fields = Q.fields_from_hf_tensors({k: to_numpy(v) for k, v in tensors.items()}, cfg, quant)
+    if quant.source == "gpt-oss":
+        known = re.compile(r"experts\.(gate_up|down)_proj_(blocks|scales|bias)$")
+    else:
+        suffixes = "|".join(_QUANT_SUFFIXES[quant.source])
+        e = "|".join(str(i) for i in range(cfg.num_experts))
+        known = re.compile(rf"experts\.({e})\.({'|'.join(GATE_UP_DOWN + W1_W3_W2)})\.({suffixes}|bias)$")
+    sd.used |= {k for k in tensors if known.match(k)}
+    return fields
 
 
 def _names_in(sd: StateDict, prefix: str) -> Names:
@@ -219,12 +253,8 @@ def _per_expert(sd: StateDict, cfg: MoEConfig) -> dict[str, np.ndarray]:
 def _gpt_oss_experts(sd: StateDict, cfg: MoEConfig) -> dict[str, np.ndarray]:
     """gpt-oss: `gate_up_proj [E, H, 2I]` with gate in the even columns and up in the odd ones, plus biases."""
     H, E, I = cfg.hidden_size, cfg.num_experts, cfg.intermediate_size
-    if "experts.gate_up_proj_blocks" in sd:
-        gate_up = _mxfp4(sd, "experts.gate_up_proj", E, 2 * I, H)
-        down = _mxfp4(sd, "experts.down_proj", E, H, I)
-    else:
-        gate_up = sd.take("experts.gate_up_proj", (E, H, 2 * I))
-        down = sd.take("experts.down_proj", (E, I, H))
+    gate_up = sd.take("experts.gate_up_proj", (E, H, 2 * I))
+    down = sd.take("experts.down_proj", (E, I, H))
     bias = sd.take("experts.gate_up_proj_bias", (E, 2 * I))
     return {
         "gate": gate_up[..., 0::2],
@@ -236,29 +266,6 @@ def _gpt_oss_experts(sd: StateDict, cfg: MoEConfig) -> dict[str, np.ndarray]:
     }
 
 
-_FP4_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-
-
-def _mxfp4(sd: StateDict, name: str, E: int, rows: int, cols: int) -> np.ndarray:
-    """gpt-oss's MXFP4 `{name}_blocks [E, rows, cols/32, 16]` + `{name}_scales [E, rows, cols/32]` -> bfloat16
-    `[E, cols, rows]` (the in-memory transposed layout).
-
-    1. Each byte holds two e2m1 codes: the low nibble is the even position, the high nibble the odd one.
-    2. Each block of 32 values is scaled by `2^(scale - 127)`.  3. Reshape to `[E, rows, cols]`, transpose.
-    One expert at a time, so the float32 intermediate stays one expert's size.
-    """
-    if cols % 32:
-        raise ValueError(f"{name}_blocks: MXFP4 needs the inner size to be a multiple of 32, got {cols}")
-    blocks = sd.take(f"{name}_blocks", (E, rows, cols // 32, 16))
-    scales = sd.take(f"{name}_scales", (E, rows, cols // 32))
-    out = np.empty((E, cols, rows), ml_dtypes.bfloat16)
-    for e in range(E):
-        codes = np.stack([blocks[e] & 0x0F, blocks[e] >> 4], axis=-1).reshape(rows, cols // 32, 32)
-        values = np.ldexp(_FP4_E2M1[codes], scales[e].astype(np.int32)[..., None] - 127)
-        out[e] = values.reshape(rows, cols).T
-    return out
-
-
 def _shared_prefix_in(sd: StateDict, layout: KeyLayout) -> str:
     """The layout's shared-MLP prefix, or the other transformers spelling (singular / plural) when that is used."""
     if layout.decoder_layer:
@@ -267,15 +274,25 @@ def _shared_prefix_in(sd: StateDict, layout: KeyLayout) -> str:
     return other if not sd.has_prefix(layout.shared_prefix) and sd.has_prefix(other) else layout.shared_prefix
 
 
-def shared_from_hf(sd: StateDict, layout: KeyLayout, cfg: MoEConfig) -> dict[str, np.ndarray]:
+def shared_from_hf(
+    sd: StateDict, layout: KeyLayout, cfg: MoEConfig, quant: HfQuant | None = None
+) -> dict[str, np.ndarray]:
+    """The shared MLP, `[in, out]`. With `quant` its Linear modules are stored quantized (DeepSeek-V3's FP8, ...):
+    moejax's shared expert is dense, so each is dequantized here on the host, exactly, to float32."""
     H, Is = cfg.hidden_size, cfg.shared_intermediate_size
     prefix = _shared_prefix_in(sd, layout)
     gate, up, down = _names_in(sd, prefix)
-    flat = {
-        "shared.gate": sd.take(f"{prefix}{gate}.weight", (Is, H)).T,
-        "shared.up": sd.take(f"{prefix}{up}.weight", (Is, H)).T,
-        "shared.down": sd.take(f"{prefix}{down}.weight", (H, Is)).T,
-    }
+    flat = {}
+    for name, hf_name, shape in (("gate", gate, (Is, H)), ("up", up, (Is, H)), ("down", down, (H, Is))):
+        module = f"{prefix}{hf_name}."
+        if quant is None:
+            flat[f"shared.{name}"] = sd.take(f"{module}weight", shape).T
+            continue
+        if quant.source == "gpt-oss":
+            raise NotImplementedError(f"{module}: gpt-oss's MXFP4 layout has no shared expert")
+        fields = Q.projection_from_hf(sd.raw, module, quant.fmt.scheme, quant.source, *shape)
+        sd.used |= {module + s for s in _QUANT_SUFFIXES[quant.source] if module + s in sd.raw}
+        flat[f"shared.{name}"] = dequantize_projection(fields, quant.fmt.scheme)
     if cfg.shared_expert is SharedExpert.SIGMOID_GATED:
         flat["shared.gate_kernel"] = sd.take("shared_expert_gate.weight", (1, H)).T
     return flat
@@ -313,6 +330,8 @@ def block_to_hf(
         hf["shared_expert_gate.weight"] = flat["shared.gate_kernel"].T
     if "expert_norm" in flat:
         hf["pre_feedforward_layernorm_2.weight"] = flat["expert_norm"]
+    if "experts.gate" not in flat:  # quantized experts: written by the caller in their on-disk layout
+        return hf
     if experts == "per_expert":
         if layout.experts == "stacked_moe":
             raise ValueError(f"the {layout.name} layout stores experts stacked: per-expert keys do not exist there")

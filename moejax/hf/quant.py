@@ -1,0 +1,181 @@
+"""Quantized checkpoints: which format a checkpoint's config names, and which of a block's modules it quantizes.
+
+A checkpoint says it is quantized in config.json's `quantization_config` (compressed-tensors, DeepSeek's `fp8`,
+gpt-oss's `mxfp4`, `modelopt`) or in ModelOpt's `hf_quant_config.json` beside it; `moejax.quantized.
+format_from_config` turns that into an `HfQuant` (the in-memory format and the on-disk flavour). Modules named in
+the config's ignore list (`ignore`, `modules_to_not_convert`, `exclude_modules`) are stored dense. The router is
+always read dense. moejax's shared expert is dense: a quantized one is dequantized on the host (numpy, float32
+scale math, exact) by `dequantize_projection`. Everything is weight-only (`input_scale` tensors are not read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from moejax import quantized as Q
+
+HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's, beside config.json
+
+# Per source, the on-disk suffixes of one quantized Linear module (`{module}.{suffix}`) that moejax reads or knows
+# to leave unread (activation scales: weight-only).
+SUFFIXES: dict[str, tuple[str, ...]] = {
+    "compressed-tensors": (
+        "weight",
+        "weight_packed",
+        "weight_scale",
+        "weight_shape",
+        "weight_zero_point",
+        "weight_g_idx",
+        "weight_global_scale",
+        "input_global_scale",
+        "input_scale",
+    ),
+    "deepseek": ("weight", "weight_scale_inv"),
+    "modelopt": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
+    "gpt-oss": ("blocks", "scales"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointQuant:
+    """A checkpoint's quantization: its format (`HfQuant`), its ignore patterns, and the config dicts it came from.
+
+    Attributes:
+      hf: the format and on-disk flavour.
+      ignore: module-name patterns stored dense (`re:` regexes as compressed-tensors writes them, `*` wildcards as
+        ModelOpt and transformers write them, or plain module names and name prefixes).
+      config: config.json's `quantization_config` (None when only `hf_quant_config.json` has it).
+      hf_quant_config: ModelOpt's `hf_quant_config.json` (None when absent).
+    """
+
+    hf: Q.HfQuant
+    ignore: tuple[str, ...] = ()
+    config: Mapping[str, Any] | None = None
+    hf_quant_config: Mapping[str, Any] | None = None
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the full module name (`model.layers.3.mlp.experts.0.gate_proj`) is stored quantized."""
+        return not any(_matches(pattern, module) for pattern in self.ignore)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockQuant:
+    """What of one MoE block is quantized: the routed experts and/or the shared expert, in format `hf`."""
+
+    hf: Q.HfQuant
+    experts: bool
+    shared: bool
+
+
+def _matches(pattern: str, module: str) -> bool:
+    if pattern.startswith("re:"):  # compressed-tensors: re.match on the module name
+        return re.match(pattern[3:], module) is not None
+    if module == pattern or module.startswith(pattern + "."):
+        return True
+    return fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(module, pattern + ".*")
+
+
+def _ignore_field(quant: CheckpointQuant) -> str:
+    return {"compressed-tensors": "ignore", "modelopt": "exclude_modules"}.get(
+        quant.hf.source, "modules_to_not_convert"
+    )
+
+
+def from_configs(config: Mapping[str, Any], hf_quant_config: Mapping[str, Any] | None) -> CheckpointQuant | None:
+    """The checkpoint's quantization from config.json (`config`, its `quantization_config`, also under a multimodal
+    `text_config`) and ModelOpt's `hf_quant_config.json`; None for a dense checkpoint.
+
+    Raises:
+      ValueError: an unknown `quant_method` or a scheme `moejax.quantized` does not hold (naming the field).
+    """
+    qc = config.get("quantization_config")
+    if qc is None and isinstance(config.get("text_config"), Mapping):
+        qc = config["text_config"].get("quantization_config")
+    hf = Q.format_from_config(qc, hf_quant_config if qc is None else None)
+    if hf is None:
+        if hf_quant_config is not None:  # ModelOpt beside a config.json that has none
+            hf = Q.format_from_config(None, hf_quant_config)
+        else:
+            return None
+    ignore: list[str] = []
+    for source in (qc, (hf_quant_config or {}).get("quantization")):
+        if isinstance(source, Mapping):
+            for field in ("ignore", "modules_to_not_convert", "exclude_modules"):
+                ignore += list(source.get(field) or [])
+    return CheckpointQuant(hf, tuple(dict.fromkeys(ignore)), qc, hf_quant_config)
+
+
+def read(path: str, config: Mapping[str, Any]) -> CheckpointQuant | None:
+    """`from_configs` of a checkpoint directory (reads `hf_quant_config.json` when present)."""
+    hqc_path = os.path.join(path, HF_QUANT_CONFIG)
+    hqc = None
+    if os.path.exists(hqc_path):
+        with open(hqc_path) as f:
+            hqc = json.load(f)
+    return from_configs(config, hqc)
+
+
+def with_dense_modules(
+    quant: CheckpointQuant, config: dict[str, Any], modules: Iterable[str]
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(config.json, hf_quant_config.json) with `modules` (full names, written dense) added to the ignore list
+    where the quantization config would quantize them, so transformers and `load_layer` read them dense."""
+    new = [m for m in modules if quant.quantizes(m)]
+    if not new:
+        return config, dict(quant.hf_quant_config) if quant.hf_quant_config is not None else None
+    field = _ignore_field(quant)
+    config = json.loads(json.dumps(config))
+    hqc = json.loads(json.dumps(quant.hf_quant_config)) if quant.hf_quant_config is not None else None
+    holder = config.get("quantization_config")
+    if holder is None and isinstance(config.get("text_config"), Mapping):
+        holder = config["text_config"].get("quantization_config")
+    for target in (holder, (hqc or {}).get("quantization")):
+        if isinstance(target, dict):
+            target[field] = list(dict.fromkeys([*(target.get(field) or []), *new]))
+    return config, hqc
+
+
+# -- a quantized Linear dequantized on the host ---------------------------------------------------------------
+
+
+def dequantize_projection(fields: Mapping[str, np.ndarray], scheme: Q.Scheme) -> np.ndarray:
+    """One projection's in-memory fields (`moejax.quantized.projection_from_hf`: `q [in(/2), out]`, `scale`,
+    `zero`, `scale2`) -> float32 `[in, out]`, in numpy.
+
+    The same float32 operations, in the same order, as `QuantizedExperts.weight_view` (every scale is exact in
+    float32): 1. codes to float32 (FP8 value, int minus the int4 offset and zero point, e2m1 value); 2. the scale
+    (and NVFP4's per-tensor multiplier) repeated over its group or 128x128 block; 3. their product.
+    """
+    q, scale = np.asarray(fields["q"]), np.asarray(fields["scale"])
+    if scheme.kind == "fp8_block":
+        n_in, n_out = q.shape
+        sf = scale.astype(np.float32)
+        sf = np.repeat(np.repeat(sf, Q.FP8_BLOCK, axis=0)[:n_in], Q.FP8_BLOCK, axis=1)[:, :n_out]
+        return q.astype(np.float32) * sf
+    codes = Q.unpack_nibbles(q) if scheme.packed else q  # [in, out]
+    group = codes.shape[0] // scale.shape[0]
+    if scheme.kind == "int":
+        v = codes.astype(np.float32)
+        offset = np.float32(8 if scheme.packed else 0)
+        zero = fields.get("zero")
+        if zero is not None:
+            v = v - np.repeat(np.asarray(zero).astype(np.float32) + offset, group, axis=0)
+        elif offset:
+            v = v - offset
+        return v * np.repeat(scale.astype(np.float32), group, axis=0)
+    v = Q.E2M1_VALUES[codes]
+    if scheme.kind == "mxfp4":
+        s = scale.astype(np.int32)
+        sf = np.where(s == 255, np.float32(np.nan), np.ldexp(np.float32(1), np.maximum(s, 1) - 127).astype(np.float32))
+        sf = np.where(s == 0, np.float32(2.0**-127), sf).astype(np.float32)
+    else:  # nvfp4
+        sf = scale.astype(np.float32) * np.float32(np.asarray(fields["scale2"]))
+    return v * np.repeat(sf, group, axis=0)
