@@ -250,7 +250,9 @@ class FusedExpertWeights(ExpertFormat):
     rows vs 0.74 / 0.78 ms); one padded row count keeps a row's bits independent of the rows beside it (the
     reduction splits differently at <= 4 and >= 5 rows). Other dtypes and more rows: YNNPACK dots (bfloat16
     kernels need no float32 copy of the weight). Products accumulate in float32; the activation is rounded to
-    the weight dtype before the down product, as in `ExpertWeights`.
+    the weight dtype before the down product, as in `ExpertWeights`. The trade-off (benchmarks/RESULTS.md): in
+    the CPU decode plan, float32 T=1 runs 1.56x and bfloat16 T=1 2.56x faster than `[in, out]` experts, prefill
+    T=512 1.38x, but T=2..8 about 10% slower (YNNPACK's dot on `[in, out]` is the fastest at 2..8 rows).
     """
 
     name: ClassVar[str] = "dense_fused"
