@@ -219,7 +219,7 @@ def test_load_layer_keeps_experts_quantized(tmp_path, name):
     assert cfg == want_cfg
     experts = params.experts
     assert isinstance(experts, Q.QuantizedExperts) and experts.scheme == want.experts.scheme
-    packed = {"int8": jnp.int8, "fp8_block": jnp.float8_e4m3fn}.get(CASES[name][3][0], jnp.uint8)
+    packed = jnp.float8_e4m3fn if CASES[name][3][0] == "fp8_block" else jnp.uint8  # int codes: unsigned, as on disk
     assert experts.gate_q.dtype == packed and experts.down_q.dtype == packed
     _assert_experts_equal(experts, want.experts, source)
     assert params.router.kernel.dtype == jnp.bfloat16  # the router stays dense
