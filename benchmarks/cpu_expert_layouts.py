@@ -1,11 +1,13 @@
 """Which per-expert storage XLA:CPU multiplies fastest: `[in, out]` (`ExpertWeights`) or `[out, in]`
 (`FusedExpertWeights`, dot or padded multiply-reduce), per product and inside `moejax.cpu_plans.switch_decode`.
 
-    python benchmarks/cpu_expert_layouts.py [--rows 1,2,4,8] [--experts 128]
+    python benchmarks/cpu_expert_layouts.py [--rows 1,2,4,8] [--experts 128] [--compile-only]
 
 Qwen3-30B-A3B sizes (H=2048, I=768, K=8), float32. Products: 16 distinct `[R, 2048] x 2048x1536` weights chained
 in one jitted program (warm), ms per product. Plan: E experts per storage, the median over 6 random routings,
-storages interleaved per routing. Results and the choice they led to: benchmarks/RESULTS.md (issue 8).
+storages interleaved per routing. Compile: `jit(moe_forward).lower(...).compile()` on abstract DeepSeek-V3-sized
+params (E=256, H=7168, I=2048, K=8) in the per-expert layout. Results and the choice they led to:
+benchmarks/RESULTS.md (issue 8).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import moejax
 from moejax import cpu_plans
 from moejax.weights import ExpertWeights, FusedExpertWeights
 from pallas_kernels.activations import GatedActivation
@@ -109,11 +112,30 @@ def plan_times(rows: list[int], num_experts: int, rng: np.random.Generator) -> N
         print(f"switch_decode T={T}, E={num_experts}: median ms {medians}", flush=True)
 
 
+def compile_times() -> None:
+    cfg = moejax.MoEConfig.preset("deepseek_v3", hidden_size=7168, intermediate_size=2048, num_experts=256, top_k=8)
+    forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
+    for dtype in (jnp.bfloat16, jnp.float32):
+        init = functools.partial(moejax.init_params, cfg, dtype=dtype, layout="per_expert")
+        params = jax.eval_shape(init, jax.random.key(0))
+        for T in (1, 8, 512):
+            x = jax.ShapeDtypeStruct((T, cfg.hidden_size), dtype)
+            start = time.perf_counter()
+            forward.lower(params, x, cfg).compile()
+            seconds = time.perf_counter() - start
+            impl = moejax.forward.chosen_impl(params, x, cfg)
+            print(f"compile E=256 {jnp.dtype(dtype).name} T={T} ({impl}): {seconds:.1f} s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,2,4,8", help="row counts (comma-separated)")
     parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--compile-only", action="store_true", help="only the compile times at E=256")
     args = parser.parse_args()
+    compile_times()
+    if args.compile_only:
+        return
     rows = [int(r) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)
     product_times(rows, rng)

@@ -59,7 +59,7 @@ def test_moe_forward_on_a_data_parallel_mesh(axis_type, shape, names):
             if spec == P("data"):
                 assert "all-gather" not in compiled.as_text(), f"{impl}: x was gathered"
                 assert y.sharding.spec[0] is not None, f"{impl}: output not split over the rows"
-            if impl in ("auto", "xla_grouped"):
+            if impl == "auto":  # eager: op by op on 8 devices, ~15 s per impl and mesh (suite time)
                 eager = moejax.moe_forward(params, xs, cfg, impl=impl)
                 np.testing.assert_allclose(eager, ref, rtol=1e-5, atol=1e-5, err_msg=f"{impl} {spec} eager")
 
