@@ -64,6 +64,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moejax.analysis import expert_load
 from moejax.backends import may_run_kernels, run_routed
 from moejax.config import MoEConfig, SharedExpert
 from moejax.experts import Slots, expert_activation, slots_from_routing
@@ -330,9 +331,8 @@ def add_once(
 
 def _expert_load(routing: Routing, cfg: MoEConfig, valid: Array | None = None) -> Array:
     """Pairs per routed expert `[E]` int32 (zero experts and invalid rows left out)."""
-    E = cfg.num_experts
-    ids = routing.indices if valid is None else jnp.where(valid[:, None], routing.indices, E)
-    return jnp.bincount(jnp.minimum(ids.reshape(-1), E), length=E + 1)[:E].astype(jnp.int32)
+    ids = routing.indices if valid is None else jnp.where(valid[:, None], routing.indices, -1)
+    return expert_load(ids, cfg)
 
 
 def _replicated_body(params, x, token_ids, *, cfg, impl, expert_axis, tensor_axis, placement=None):

@@ -4,8 +4,8 @@ A checkpoint says it is quantized in config.json's `quantization_config` (compre
 gpt-oss's `mxfp4`, `modelopt`) or in ModelOpt's `hf_quant_config.json` beside it; `moejax.quantized.
 format_from_config` turns that into an `HfQuant` (the in-memory format and the on-disk flavour). Modules named in
 the config's ignore list (`ignore`, `modules_to_not_convert`, `exclude_modules`) are stored dense. The router is
-always read dense. moejax's shared expert is dense: a quantized one is dequantized on the host (numpy, float32
-scale math, exact) by `dequantize_projection`. Everything is weight-only (`input_scale` tensors are not read).
+always read dense. moejax's shared expert is dense: a quantized one is dequantized at load (float32 scale math,
+the format's own) by `dequantize_projection`. Everything is weight-only (`input_scale` tensors are not read).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from moejax import quantized as Q
@@ -148,34 +149,8 @@ def with_dense_modules(
 
 def dequantize_projection(fields: Mapping[str, np.ndarray], scheme: Q.Scheme) -> np.ndarray:
     """One projection's in-memory fields (`moejax.quantized.projection_from_hf`: `q [in(/2), out]`, `scale`,
-    `zero`, `scale2`) -> float32 `[in, out]`, in numpy.
-
-    The same float32 operations, in the same order, as `QuantizedExperts.weight_view` (every scale is exact in
-    float32): 1. codes to float32 (FP8 value, int minus the int4 offset and zero point, e2m1 value); 2. the scale
-    (and NVFP4's per-tensor multiplier) repeated over its group or 128x128 block; 3. their product.
-    """
-    q, scale = np.asarray(fields["q"]), np.asarray(fields["scale"])
-    if scheme.kind == "fp8_block":
-        n_in, n_out = q.shape
-        sf = scale.astype(np.float32)
-        sf = np.repeat(np.repeat(sf, Q.FP8_BLOCK, axis=0)[:n_in], Q.FP8_BLOCK, axis=1)[:, :n_out]
-        return q.astype(np.float32) * sf
-    codes = Q.unpack_nibbles(q) if scheme.packed else q  # [in, out]
-    group = codes.shape[0] // scale.shape[0]
-    if scheme.kind == "int":
-        v = codes.astype(np.float32)
-        offset = np.float32(8 if scheme.packed else 0)
-        zero = fields.get("zero")
-        if zero is not None:
-            v = v - np.repeat(np.asarray(zero).astype(np.float32) + offset, group, axis=0)
-        elif offset:
-            v = v - offset
-        return v * np.repeat(scale.astype(np.float32), group, axis=0)
-    v = Q.E2M1_VALUES[codes]
-    if scheme.kind == "mxfp4":
-        s = scale.astype(np.int32)
-        sf = np.where(s == 255, np.float32(np.nan), np.ldexp(np.float32(1), np.maximum(s, 1) - 127).astype(np.float32))
-        sf = np.where(s == 0, np.float32(2.0**-127), sf).astype(np.float32)
-    else:  # nvfp4
-        sf = scale.astype(np.float32) * np.float32(np.asarray(fields["scale2"]))
-    return v * np.repeat(sf, group, axis=0)
+    `zero`, `scale2`) -> float32 `[in, out]`, by the format's own dequantization (`QuantizedExperts.weight`, the
+    math the plans run), on the default device."""
+    fmt = Q.quantized_format(scheme.kind, bits=scheme.bits, group_size=scheme.group_size, symmetric=scheme.symmetric)
+    one = fmt(**{f"gate_{name}": jnp.asarray(value) for name, value in fields.items()})
+    return np.asarray(one.weight("gate"))
