@@ -1,0 +1,200 @@
+"""LoRA adapters on the MoE block: the one owner of their arrays and of the delta math.
+
+An adapter adds `ΔW = s · B · A` to a weight `W` (PEFT's convention: `A [r, in]`, `B [out, r]`, s = alpha / r, or
+alpha / √r with rsLoRA), so a projection of rows x becomes `x·W + s · (x·Aᵀ)·Bᵀ`. Targets:
+
+* the router (`LoRAParams.router`): `A [r, H]`, `B [N, r]` (N = experts + zero experts). Its delta is added to
+  the logits before anything else the router does (bias, rounding to the router dtype, scores, correction bias,
+  groups, top-k): `x·(W + ΔW)ᵀ = x·Wᵀ + (x·Aᵀ)·Bᵀ·s`, so it changes which experts are chosen.
+* each routed expert's gate, up and down (`ExpertLoRA`): `A [E, r, in]`, `B [E, out, r]`.
+* the shared expert's gate, up and down and its sigmoid gate (`SharedLoRA`; `gate_kernel`: `B [1, r]`).
+
+**One adapter** (what `moejax.hf.load_adapter` returns) has those shapes; `scale` is a float32 scalar per target.
+**A stack** (`stack([a, b, ...])`, what `moe_forward(..., lora=)` takes) has a leading adapter axis `[n + 1, ...]`
+on every array, `scale [n + 1]`: adapter id 0 is "no adapter" (all zeros), ids 1..n the adapters in order. Ranks
+are padded with zeros to the largest rank of each target (exact: the padded rank components contribute exact
+zeros), and a target an adapter does not have is zeros for it. Each row of a batch names its adapter by id
+(`adapter_ids`, int32, traced): any mix of adapters is one compiled program.
+
+Numerics: the delta is computed in float32 whatever the dtype of x and of the adapters (`(x·Aᵀ)` then `·Bᵀ`,
+then `· s`), and added to the float32 projection of the base weights. PEFT computes it in the model dtype; in
+float32 the two agree to the model dtype's rounding. Rows with adapter id 0 get the base output bit for bit
+(`where(id == 0, base, base + delta)`).
+
+The shapes used by the plans: `pair_delta(pair, x, adapter)` for one target of one expert of a stack
+(`pair.a [n+1, r, in]`). It reads every adapter's A and B of that expert once and masks by the rows' ids: for a
+handful of adapters that is less traffic than one gathered copy per row, and a row's delta does not depend on
+its neighbours' adapters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRAPair:
+    """One LoRA target: `ΔW = scale · b @ a` (per expert where the arrays have an expert axis).
+
+    a: `[..., r, in]`. b: `[..., out, r]`. scale: float32 `[...]` (the adapter axis of a stack; () for one
+    adapter), s = alpha / r or alpha / √r.
+    """
+
+    a: Array
+    b: Array
+    scale: Array
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[-2]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertLoRA:
+    """Adapters of the routed experts: per projection a `LoRAPair` with an expert axis (`a [(n+1,) E, r, in]`)."""
+
+    gate: LoRAPair | None = None  # in H, out I
+    up: LoRAPair | None = None  # in H, out I
+    down: LoRAPair | None = None  # in I, out H
+
+    def expert(self, e: Array | int) -> ExpertLoRA:
+        """Expert `e` of a stack (`a [n+1, E, r, in]` -> `[n+1, r, in]`); `e` may be traced."""
+        take = lambda w: jax.lax.dynamic_index_in_dim(w, e, 1, keepdims=False)
+        return jax.tree.map(lambda p: dataclasses.replace(p, a=take(p.a), b=take(p.b)), self, is_leaf=_is_pair)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SharedLoRA:
+    """Adapters of the shared expert and its sigmoid gate (`gate_kernel`: `a [r, H]`, `b [1, r]`)."""
+
+    gate: LoRAPair | None = None
+    up: LoRAPair | None = None
+    down: LoRAPair | None = None
+    gate_kernel: LoRAPair | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRAParams:
+    """The LoRA adapters of one MoE block: one adapter, or a stack of them (see the module docstring)."""
+
+    router: LoRAPair | None = None
+    experts: ExpertLoRA | None = None
+    shared: SharedLoRA | None = None
+
+    def pairs(self) -> dict[str, LoRAPair]:
+        """The targets that are set, by dotted name (`router`, `experts.gate`, `shared.gate_kernel`, ...)."""
+        out = {}
+        if self.router is not None:
+            out["router"] = self.router
+        for group in ("experts", "shared"):
+            sub = getattr(self, group)
+            if sub is not None:
+                for f in dataclasses.fields(sub):
+                    if getattr(sub, f.name) is not None:
+                        out[f"{group}.{f.name}"] = getattr(sub, f.name)
+        return out
+
+    @property
+    def is_stack(self) -> bool:
+        """Whether this is a stack (`scale` has the adapter axis) rather than one adapter."""
+        return any(p.scale.ndim == 1 for p in self.pairs().values())
+
+    @property
+    def num_ids(self) -> int:
+        """Adapter ids of a stack, n + 1 (id 0 included)."""
+        if not self.is_stack:
+            raise ValueError("num_ids: this LoRAParams is one adapter, not a stack (moejax.lora.stack)")
+        return next(iter(self.pairs().values())).scale.shape[0]
+
+
+def _is_pair(v) -> bool:
+    return isinstance(v, LoRAPair)
+
+
+def from_pairs(pairs: dict[str, LoRAPair | None]) -> LoRAParams:
+    """A LoRAParams with the given targets by dotted name (as `LoRAParams.pairs` names them; the others None)."""
+    experts = {k.split(".", 1)[1]: v for k, v in pairs.items() if k.startswith("experts.")}
+    shared = {k.split(".", 1)[1]: v for k, v in pairs.items() if k.startswith("shared.")}
+    return LoRAParams(
+        router=pairs.get("router"),
+        experts=ExpertLoRA(**experts) if any(v is not None for v in experts.values()) else None,
+        shared=SharedLoRA(**shared) if any(v is not None for v in shared.values()) else None,
+    )
+
+
+def stack(adapters: Sequence[LoRAParams]) -> LoRAParams:
+    """Stack single adapters into ids 1..n (id 0: no adapter, zeros), padding each target to its largest rank.
+
+    A target some adapters lack is zeros for them. Arrays are stacked in float32 (the delta is computed in
+    float32 anyway). Shapes must agree except for the rank.
+
+    Raises:
+      ValueError: empty list, an argument that is already a stack, or shapes that differ beyond the rank (the
+        message names the target and both shapes).
+    """
+    if not adapters:
+        raise ValueError("stack: needs at least one adapter")
+    for i, adapter in enumerate(adapters):
+        if not isinstance(adapter, LoRAParams):
+            raise TypeError(f"stack: adapter {i} is a {type(adapter).__name__}, expected moejax.LoRAParams")
+        if adapter.is_stack:
+            raise ValueError(f"stack: adapter {i} is already a stack; pass single adapters")
+    names = sorted({name for a in adapters for name in a.pairs()})
+    out: dict[str, LoRAPair] = {}
+    for name in names:
+        present = [a.pairs().get(name) for a in adapters]
+        first = next(p for p in present if p is not None)
+        lead, n_in, n_out = first.a.shape[:-2], first.a.shape[-1], first.b.shape[-2]
+        for i, p in enumerate(present):
+            if p is not None and (p.a.shape[:-2] != lead or p.a.shape[-1] != n_in or p.b.shape[-2] != n_out):
+                raise ValueError(
+                    f"stack: {name} of adapter {i} has A {p.a.shape}, B {p.b.shape}; "
+                    f"adapter 0 with this target has A {first.a.shape}, B {first.b.shape} (only the rank may differ)"
+                )
+        r = max(p.rank for p in present if p is not None)
+        zero_a, zero_b = jnp.zeros((*lead, r, n_in), jnp.float32), jnp.zeros((*lead, n_out, r), jnp.float32)
+        a_rows, b_cols, scales = [zero_a], [zero_b], [jnp.float32(0)]
+        for p in present:
+            if p is None:  # id 0, and adapters without this target: zeros
+                a_rows.append(zero_a)
+                b_cols.append(zero_b)
+                scales.append(jnp.float32(0))
+                continue
+            pad = r - p.rank
+            a_rows.append(jnp.pad(p.a.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, pad), (0, 0)]))
+            b_cols.append(jnp.pad(p.b.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, 0), (0, pad)]))
+            scales.append(jnp.asarray(p.scale, jnp.float32))
+        out[name] = LoRAPair(jnp.stack(a_rows), jnp.stack(b_cols), jnp.stack(scales))
+    return from_pairs(out)
+
+
+def pair_delta(pair: LoRAPair | None, x: Array, adapter: Array) -> Array | None:
+    """`s[id] · (x·A[id]ᵀ)·B[id]ᵀ` per row, float32 `[R, out]`, for a stacked target of ONE expert (or the router /
+    shared expert): `pair.a [n+1, r, in]`, `pair.b [n+1, out, r]`, `x [R, in]`, `adapter [R]` int32 ids.
+
+    None when the target has no adapter. Every adapter's A and B are read once and each row keeps its own
+    adapter's terms (masked), so a row's delta depends only on its own x and id.
+    """
+    if pair is None:
+        return None
+    n = pair.scale.shape[0]
+    xa = jnp.einsum("ri,nki->rnk", x.astype(jnp.float32), pair.a.astype(jnp.float32))  # [R, n+1, r]
+    mask = jax.nn.one_hot(adapter, n, dtype=jnp.float32) * pair.scale.astype(jnp.float32)  # [R, n+1]
+    return jnp.einsum("rnk,nok->ro", xa * mask[:, :, None], pair.b.astype(jnp.float32))  # [R, out]
+
+
+def add_delta(y: Array, delta: Array | None, adapter: Array) -> Array:
+    """`y + delta` on rows with an adapter (id != 0), `y` bit for bit on the others."""
+    if delta is None:
+        return y
+    return jnp.where((adapter != 0)[:, None], y + delta, y)
