@@ -15,10 +15,14 @@ Below it, the prefix-level API:
   the fused in-memory tensors of transformers 5 or the per-expert checkpoint keys; `params_to_hf` is its inverse.
 * `load_safetensors(files, cfg, prefix)`: one block from a (sharded) safetensors checkpoint, given its prefix.
 
+PEFT LoRA adapters: `load_adapter(adapter_dir, cfg, layer_idx)` -> `moejax.LoRAParams` of one block (peft 0.21,
+transformers 5 module names; docs/LORA.md), `save_adapter` writes one back.
+
 Everything about a family (model types, config mapping, MoE layers, block prefixes per checkpoint class, key
 layouts) is one record in `moejax.hf.families.FAMILY_RECORDS`.
 """
 
+from moejax.hf.adapter import load_adapter, save_adapter
 from moejax.hf.checkpoint import layer_tensors, load_layer, load_layers, load_safetensors, save_layer
 from moejax.hf.configs import config_from_hf, is_moe_layer, moe_layer_indices
 from moejax.hf.convert import params_from_hf, params_to_hf
@@ -35,11 +39,13 @@ __all__ = [
     "config_from_hf",
     "is_moe_layer",
     "layer_tensors",
+    "load_adapter",
     "load_layer",
     "load_layers",
     "load_safetensors",
     "moe_layer_indices",
     "params_from_hf",
     "params_to_hf",
+    "save_adapter",
     "save_layer",
 ]

@@ -1,0 +1,623 @@
+"""PEFT LoRA adapters (peft 0.21, transformers 5 module names) <-> `moejax.lora.LoRAParams` of one MoE block.
+
+`load_adapter(adapter_dir, cfg, layer_idx)` reads `adapter_config.json` + `adapter_model.safetensors` as
+`PeftModel.save_pretrained` writes them and returns the adapter of layer `layer_idx`'s MoE block: the router, the
+routed experts' gate / up / down, the shared expert and its sigmoid gate. The file's other layers and other
+modules (attention) are ignored. `save_adapter` writes one block's adapter back in the same layout.
+
+The layout (docs/LORA.md, "PEFT layout", has the sources): keys `base_model.model.<module>.lora_A.weight`
+`[r, in]` and `.lora_B.weight` `[out, r]`, s = lora_alpha / r (alpha / √r with `use_rslora`), r and alpha per
+target from `rank_pattern` / `alpha_pattern`. A fused 3-D expert tensor targeted through `target_parameters` has
+`A [r·E, in]` (expert-major) and `B [out, r·E]` (expert-minor); both expert tensors targeted nest two wrappers
+(`experts.base_layer.lora_*` is gate_up_proj, `experts.lora_*` down_proj). Where the names live comes from the
+family records (`moejax.hf.families`): the block's prefix and its router / shared-expert names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.config import Activation, MoEConfig, SharedExpert
+from moejax.hf import files
+from moejax.hf.families import BY_MODEL_TYPE, BY_NAME, FAMILY_RECORDS, Block, Family
+from moejax.hf.layouts import GATE_UP_DOWN, W1_W3_W2, KeyLayout
+from moejax.lora import LoRAPair, LoRAParams, from_pairs
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."  # what PeftModel's state dict puts before the transformers model's module names
+
+# LoraConfig fields that change what the weights mean; any value but these defaults is refused.
+_UNSUPPORTED: dict[str, Any] = {
+    "use_dora": False,  # DoRA: a magnitude vector rescales W + ΔW
+    "lora_bias": False,  # a bias on lora_B
+    "bias": "none",  # base biases trained and saved beside the adapter
+    "fan_in_fan_out": False,  # transposed (Conv1D) base weights
+    "layer_replication": None,  # layer indices remapped
+    "alora_invocation_tokens": None,  # activated LoRA: only after the invocation tokens
+    "use_qalora": False,
+    "use_bdlora": None,
+    "velora_config": None,
+    "kasa_config": None,
+    "arrow_config": None,
+    "monteclora_config": None,
+}
+_LORA_KEY = re.compile(r"^(.*)\.lora_([AB])\.weight$")
+_LAYER_KEY = re.compile(r"\blayers\.(\d+)\.")
+_SHARED_GATE = "shared_expert_gate"  # Qwen2-MoE / Qwen3-Next / Qwen3.5: nn.Linear(H, 1) on the block
+_FUSED = ("gate_up_proj", "down_proj")  # the routed experts' 3-D parameters, in registration order
+_GUD = ("gate", "up", "down")
+
+
+# -- the adapter's config ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterConfig:
+    """What `load_adapter` reads of `adapter_config.json`.
+
+    r / lora_alpha: the defaults; rank_pattern / alpha_pattern: per target, the first pattern p (in the file's
+    order) with `re.match(rf"(.*\\.)?({p})$", name)` wins (peft.utils.other.get_pattern_key), where name is the
+    module name (`model.layers.1.mlp.shared_expert.up_proj`) or, for a parameter target, module + parameter
+    (`model.layers.1.mlp.experts.gate_up_proj`).
+    """
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool = False
+    rank_pattern: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    alpha_pattern: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    target_parameters: tuple[str, ...] = ()
+    raw: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any], path: str = CONFIG) -> AdapterConfig:
+        peft_type = raw.get("peft_type")
+        if peft_type != "LORA":
+            raise NotImplementedError(f"{path}: peft_type={peft_type!r}; only LoRA adapters (peft_type='LORA') load")
+        for name, default in _UNSUPPORTED.items():
+            value = raw.get(name, default)
+            if value and value != default:  # None, False, {} and the default are all "off"
+                raise NotImplementedError(f"{path}: {name}={value!r} is not supported (only {name}={default!r})")
+        return cls(
+            r=int(raw["r"]),
+            lora_alpha=float(raw["lora_alpha"]),
+            use_rslora=bool(raw.get("use_rslora", False)),
+            rank_pattern=dict(raw.get("rank_pattern") or {}),
+            alpha_pattern=dict(raw.get("alpha_pattern") or {}),
+            target_parameters=tuple(raw.get("target_parameters") or ()),
+            raw=dict(raw),
+        )
+
+    def rank_alpha(self, name: str) -> tuple[int, float]:
+        """(r, alpha) of the target `name` (peft.tuners.lora.model.LoraModel._create_and_replace)."""
+        return int(_pattern(self.rank_pattern, name, self.r)), float(
+            _pattern(self.alpha_pattern, name, self.lora_alpha)
+        )
+
+    def scale(self, r: int, alpha: float) -> float:
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    def targets_parameter(self, key: str) -> bool:
+        """Whether `target_parameters` names the parameter `key` (peft's `_inject_parameters` match)."""
+        return any(key == t or key.endswith("." + t) for t in self.target_parameters)
+
+
+def _pattern(patterns: Mapping[str, Any], name: str, default: Any) -> Any:
+    for p in patterns:
+        if re.match(rf"(.*\.)?({p})$", name):
+            return patterns[p]
+    return default
+
+
+# -- where a family's block sits -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Names:
+    """The module names of one layer's block in a PEFT file (without `base_model.model.`), in one key layout."""
+
+    prefix: str  # "model.layers.1.mlp."
+    layout: KeyLayout
+
+    def router(self) -> str:
+        return self.prefix + self.layout.router.removesuffix(".weight")
+
+    def experts(self) -> str:
+        return self.prefix + "experts"
+
+    def shared(self) -> tuple[str, ...]:
+        return (
+            self.prefix + self.layout.shared_prefix,
+            self.prefix + "shared_expert.",
+            self.prefix + "shared_experts.",
+        )
+
+    def owns(self, module: str) -> bool:
+        if not module.startswith(self.prefix):
+            return False
+        return self.layout.owns(module[len(self.prefix) :])
+
+
+def _peft_block(family: Family) -> Block:
+    """The block as transformers 5 holds it in memory (the module names PEFT writes): a fused in-memory block of
+    the text model, else the text model's block in the in-memory layout, else the first in that layout."""
+    memory = [b for b in family.blocks if b.layout == family.memory]
+    text = [b for b in memory if b.composite is not True]
+    fused = [b for b in text if b.experts == "fused"]
+    return (fused or text or memory or list(family.blocks))[0]
+
+
+def _candidates(family: Family, layer: int) -> list[_Names]:
+    """Every place PEFT files name layer `layer`'s block: the in-memory prefix under the text model (`model.`)
+    and under a multimodal model (`model.language_model.`), then the family's checkpoint prefixes (adapters
+    trained on transformers 4 name its modules, e.g. Mixtral's `block_sparse_moe.`)."""
+    memory = _peft_block(family)
+    marker = f"layers.{layer}."
+    sub = memory.at(layer).split(marker, 1)[1]
+    out = [_Names(head + marker + sub, family.memory) for head in ("model.", "model.language_model.")]
+    out += [_Names(b.at(layer), b.layout) for b in family.blocks]
+    unique: list[_Names] = []
+    for n in out:
+        if all(n.prefix != u.prefix for u in unique):
+            unique.append(n)
+    return unique
+
+
+# -- reading -----------------------------------------------------------------------------------------------------
+
+
+def _read(adapter_dir: str | os.PathLike) -> tuple[AdapterConfig, str, dict[str, Any]]:
+    path = os.fspath(adapter_dir)
+    config_path, weights_path = os.path.join(path, CONFIG), os.path.join(path, WEIGHTS)
+    if not os.path.isdir(path):
+        raise ValueError(f"load_adapter: {path} is not a directory (expected {CONFIG} and {WEIGHTS} in it)")
+    if not os.path.exists(config_path):
+        raise ValueError(f"load_adapter: {path} has no {CONFIG}")
+    if not os.path.exists(weights_path):
+        bin_path = os.path.join(path, "adapter_model.bin")
+        also = " (it has adapter_model.bin, torch's pickle format: save it with safe_serialization=True)"
+        raise ValueError(f"load_adapter: {path} has no {WEIGHTS}" + (also if os.path.exists(bin_path) else ""))
+    with open(config_path) as f:
+        config = AdapterConfig.from_json(json.load(f), config_path)
+    _, head = files.header(weights_path)
+    head.pop("__metadata__", None)
+    return config, weights_path, head
+
+
+def _family_of(config: AdapterConfig, adapter_dir: str) -> Family | None:
+    """The family named by the adapter's config: `auto_mapping` (written when task_type is None), else the
+    config.json of a local `base_model_name_or_path`; None when neither says."""
+    library = (config.raw.get("auto_mapping") or {}).get("parent_library", "")
+    match = re.fullmatch(r"transformers\.models\.(\w+)\.modeling_\w+", library)
+    if match and match.group(1) in BY_MODEL_TYPE:
+        return BY_MODEL_TYPE[match.group(1)]
+    base = config.raw.get("base_model_name_or_path")
+    if base:
+        for folder in (base, os.path.join(adapter_dir, base)):
+            path = os.path.join(folder, "config.json")
+            if os.path.isfile(path):
+                with open(path) as f:
+                    hf = json.load(f)
+                model_type = hf.get("model_type")
+                if model_type not in BY_MODEL_TYPE and isinstance(hf.get("text_config"), dict):
+                    model_type = hf["text_config"].get("model_type")
+                if model_type in BY_MODEL_TYPE:
+                    return BY_MODEL_TYPE[model_type]
+    return None
+
+
+def _fits_config(family: Family, cfg: MoEConfig) -> bool:
+    """Families whose expert tensors look alike but are laid out differently, told apart by their math."""
+    if family.name == "gpt_oss":
+        return cfg.activation == Activation.GPT_OSS
+    if family.name == "llama4":
+        return cfg.weights_on_input
+    return cfg.activation != Activation.GPT_OSS and not cfg.weights_on_input
+
+
+def load_adapter(
+    adapter_dir: str | os.PathLike, cfg: MoEConfig, layer_idx: int, *, family: str | None = None
+) -> LoRAParams:
+    """The LoRA adapter of layer `layer_idx`'s MoE block from a PEFT adapter directory (one adapter).
+
+    Args:
+      adapter_dir: what `PeftModel.save_pretrained` wrote: `adapter_config.json`, `adapter_model.safetensors`.
+      cfg: the block's config (e.g. from `moejax.hf.load_layer`): the expected shapes.
+      layer_idx: the decoder layer.
+      family: the moejax family of the base model (`moejax.FAMILIES`); None: from the adapter config
+        (`auto_mapping`, or a local `base_model_name_or_path`), else from the keys and `cfg`.
+
+    Returns:
+      `LoRAParams` with the targets the adapter has in this block (none: an adapter that trains the layer but
+      not its MoE block), arrays in the file's dtype, scales float32.
+
+    Raises:
+      ValueError: missing files; no key of the file names layer `layer_idx` (the message lists the layers it
+        has); a key of the block that is not a LoRA target moejax knows; a shape that does not fit `cfg` or the
+        config's rank (the message names the key and both shapes).
+      NotImplementedError: a PEFT method or option other than plain LoRA (DoRA, lora_bias, ...), per-expert keys
+        with different ranks or scales.
+    """
+    adapter_dir = os.fspath(adapter_dir)
+    config, weights_path, head = _read(adapter_dir)
+    keys = {k.removeprefix(PREFIX): k for k in head}
+    if family is not None:
+        if family not in BY_NAME:
+            raise ValueError(f"load_adapter: unknown family {family!r}; one of {sorted(BY_NAME)}")
+        families = [BY_NAME[family]]
+    else:
+        named = _family_of(config, adapter_dir)
+        families = [named] if named is not None else [f for f in FAMILY_RECORDS if _fits_config(f, cfg)]
+
+    layers = sorted({int(m.group(1)) for k in keys if (m := _LAYER_KEY.search(k))})
+    if layer_idx not in layers:
+        note = (
+            f" (layers_to_transform={config.raw['layers_to_transform']})"
+            if config.raw.get("layers_to_transform")
+            else ""
+        )
+        raise ValueError(
+            f"load_adapter: {adapter_dir} has no weights for layer {layer_idx}; it has layers {layers}{note}"
+        )
+
+    plans, errors = [], []
+    for fam in families:
+        for names in _candidates(fam, layer_idx):
+            mine = sorted(k for k in keys if names.owns(k))
+            if not mine:
+                continue
+            try:
+                plans.append((fam, names, _plan(mine, names, cfg, config)))
+            except _Unknown as e:
+                errors.append(f"{fam.name} ({names.prefix}): {e}")
+            break  # the first prefix with keys is the family's block
+    if not plans:
+        if errors:
+            raise ValueError(f"load_adapter: {adapter_dir} layer {layer_idx}: " + "; ".join(errors))
+        return LoRAParams()
+    zero_rows = lambda layout: layout.zero_expert_rows and cfg.num_zero_experts > 0
+    readings = {(names.layout.experts, zero_rows(names.layout), plan.signature()) for _, names, plan in plans}
+    if len(readings) > 1:  # families that would read the same keys differently
+        which = sorted({fam.name for fam, _, _ in plans})
+        raise ValueError(f"load_adapter: the keys of layer {layer_idx} fit the families {which}; pass family=")
+    _, names, plan = plans[0]
+    wanted = plan.keys()
+    arrays = files.read_file(weights_path, [keys[k] for k in wanted])
+    tensors = {k: arrays[keys[k]] for k in wanted}
+    return plan.build(tensors, cfg, config, names)
+
+
+class _Unknown(Exception):
+    """A key of the block that this layout does not name."""
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Which modules of the block hold what: target name -> module name (without `.lora_A.weight`)."""
+
+    router: str | None = None
+    fused: dict[str, str] = dataclasses.field(default_factory=dict)  # "gate_up_proj" / "down_proj" -> module
+    per_expert: dict[tuple[int, str], str] = dataclasses.field(default_factory=dict)  # (e, gate|up|down) -> module
+    shared: dict[str, str] = dataclasses.field(default_factory=dict)  # gate|up|down|gate_kernel -> module
+
+    def modules(self) -> list[str]:
+        return [m for m in (self.router, *self.fused.values(), *self.per_expert.values(), *self.shared.values()) if m]
+
+    def keys(self) -> list[str]:
+        return [f"{m}.lora_{ab}.weight" for m in self.modules() for ab in "AB"]
+
+    def signature(self) -> tuple:
+        return (self.router is not None, tuple(sorted(self.fused)), len(self.per_expert), tuple(sorted(self.shared)))
+
+    def build(self, tensors: dict[str, np.ndarray], cfg: MoEConfig, config: AdapterConfig, names: _Names) -> LoRAParams:
+        pairs: dict[str, LoRAPair] = {}
+        if self.router is not None:
+            pattern_name = self.router + ".weight" if config.targets_parameter(self.router + ".weight") else self.router
+            pairs["router"] = _plain(tensors, self.router, pattern_name, cfg.hidden_size, cfg.num_selectable, config)
+        for projection, module in self.fused.items():
+            pairs |= _fused(tensors, module, projection, cfg, config, names)
+        if self.per_expert:
+            pairs |= _per_expert(tensors, self.per_expert, cfg, config)
+        for target, module in self.shared.items():
+            n_in, n_out = _shared_shape(target, cfg)
+            pairs[f"shared.{target}"] = _plain(tensors, module, module, n_in, n_out, config)
+        return from_pairs(pairs)
+
+
+def _plan(mine: list[str], names: _Names, cfg: MoEConfig, config: AdapterConfig) -> _Plan:
+    """Sort the block's keys into targets (ValueError / _Unknown for keys that are not LoRA on a known target)."""
+    modules: dict[str, set[str]] = {}
+    for key in mine:
+        match = _LORA_KEY.match(key)
+        if match is None:
+            raise ValueError(
+                f"load_adapter: key {key!r} of the block is not a lora_A / lora_B weight (modules_to_save, DoRA's "
+                "magnitude or a LoRA bias are not supported)"
+            )
+        modules.setdefault(match.group(1), set()).add(match.group(2))
+    for module, ab in modules.items():
+        if ab != {"A", "B"}:
+            missing = ({"A", "B"} - ab).pop()
+            raise ValueError(f"load_adapter: {module}.lora_{missing}.weight is missing (its lora_{ab.pop()} is there)")
+
+    plan = _Plan()
+    experts = names.experts()
+    shared_names = {}
+    for prefix in names.shared():
+        for spelling in (names.layout.shared_names, GATE_UP_DOWN, W1_W3_W2):
+            for target, name in zip(_GUD, spelling, strict=True):
+                shared_names[prefix + name] = target
+    per_expert = re.compile(re.escape(experts) + r"\.(\d+)\.(\w+)$")
+    expert_names = {n: t for spelling in (GATE_UP_DOWN, W1_W3_W2) for n, t in zip(spelling, _GUD, strict=True)}
+    nested = []
+    for module in modules:
+        if module == names.router():
+            plan.router = module
+        elif module in (experts, experts + ".base_layer"):
+            nested.append(module)
+        elif module in shared_names:
+            plan.shared[shared_names[module]] = module
+        elif module == names.prefix + _SHARED_GATE:
+            plan.shared["gate_kernel"] = module
+        elif (m := per_expert.match(module)) and m.group(2) in expert_names:
+            plan.per_expert[(int(m.group(1)), expert_names[m.group(2)])] = module
+        else:
+            raise _Unknown(f"{module}.lora_A.weight is not a LoRA target of this block")
+    if nested:
+        plan.fused = _fused_order(nested, experts, config)
+    if plan.shared and cfg.shared_expert == SharedExpert.NONE:
+        raise ValueError(f"load_adapter: {sorted(plan.shared.values())} adapt a shared expert, but cfg has none")
+    if "gate_kernel" in plan.shared and cfg.shared_expert != SharedExpert.SIGMOID_GATED:
+        raise ValueError(f"load_adapter: {plan.shared['gate_kernel']} adapts a shared-expert gate; cfg has none")
+    return plan
+
+
+def _fused_order(nested: list[str], experts: str, config: AdapterConfig) -> dict[str, str]:
+    """Which of gate_up_proj / down_proj the wrappers at `experts.lora_*` and `experts.base_layer.lora_*` adapt.
+
+    peft wraps a module's targeted parameters in their registration order (gate_up_proj, then down_proj), each
+    wrapper around the previous one (tuners_utils.BaseTuner._inject_parameters): with both targeted the inner
+    one, `experts.base_layer`, is gate_up_proj and the outer, `experts`, down_proj; with one, it is at `experts`.
+    Which ones are targeted is read from `target_parameters`.
+    """
+    targeted = [p for p in _FUSED if config.targets_parameter(f"{experts}.{p}")]
+    if experts + ".base_layer" in nested:
+        if experts not in nested:
+            raise ValueError(f"load_adapter: {experts}.base_layer.lora_A.weight without {experts}.lora_A.weight")
+        return {"gate_up_proj": experts + ".base_layer", "down_proj": experts}
+    if len(targeted) == 1:
+        return {targeted[0]: experts}
+    raise ValueError(
+        f"load_adapter: {experts}.lora_A.weight adapts one expert tensor, but target_parameters="
+        f"{list(config.target_parameters)} names {targeted or 'neither'} of {list(_FUSED)} for it"
+    )
+
+
+def _check(key: str, array: np.ndarray, expected: tuple[int, ...], what: str) -> None:
+    if array.shape != expected:
+        raise ValueError(f"load_adapter: {key} has shape {array.shape}, expected {expected} ({what})")
+
+
+def _plain(
+    tensors: dict[str, np.ndarray], module: str, pattern_name: str, n_in: int, n_out: int, config: AdapterConfig
+) -> LoRAPair:
+    """A 2-D target (nn.Linear, or a 2-D parameter): A [r, in], B [out, r]."""
+    a, b = tensors[module + ".lora_A.weight"], tensors[module + ".lora_B.weight"]
+    r, alpha = config.rank_alpha(pattern_name)
+    _check(module + ".lora_A.weight", a, (r, n_in), f"[r, in] with r={r} from the adapter config")
+    _check(module + ".lora_B.weight", b, (n_out, r), f"[out, r] with r={r}")
+    return LoRAPair(jnp.asarray(a), jnp.asarray(b), jnp.float32(config.scale(r, alpha)))
+
+
+def _shared_shape(target: str, cfg: MoEConfig) -> tuple[int, int]:
+    H, Is = cfg.hidden_size, cfg.shared_intermediate_size
+    return {"gate": (H, Is), "up": (H, Is), "down": (Is, H), "gate_kernel": (H, 1)}[target]
+
+
+def _fused(
+    tensors: dict[str, np.ndarray], module: str, projection: str, cfg: MoEConfig, config: AdapterConfig, names: _Names
+) -> dict[str, LoRAPair]:
+    """The pairs of one fused 3-D expert tensor (peft.tuners.lora.layer.ParamWrapper).
+
+    PEFT's (in, out) of a parameter [E, d1, d2] is (d2, d1) (swapped) unless the experts module has
+    `is_transposed` (gpt-oss), then (d1, d2). A [r·E, in] reshapes to [E, r, in]; B [out, r·E] to [out, r, E];
+    the parameter's delta is `s · einsum("ore,eri->eoi")` (swapped) or `->eio`. In moejax's [out, in] terms:
+    standard and gpt-oss: a = A_e, b = B_e; Llama-4 (`[E, H, 2I]` without `is_transposed`): a = B_eᵀ, b = A_eᵀ.
+    """
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    kind = names.layout.experts
+    if kind not in ("standard", "gpt_oss", "llama4"):
+        raise NotImplementedError(f"load_adapter: fused experts in the {names.layout.name!r} layout ({kind})")
+    # rows of the parameter: LongCat's gate_up_proj has rows for its zero experts
+    E_param = cfg.num_selectable if (names.layout.zero_expert_rows and projection == "gate_up_proj") else E
+    width = 2 * I if projection == "gate_up_proj" else I
+    # (in, out) as PEFT sees them, and whether PEFT's A is moejax's a
+    if kind == "llama4":
+        peft_in, peft_out = (width, H) if projection == "gate_up_proj" else (H, width)
+    else:
+        peft_in, peft_out = (H, width) if projection == "gate_up_proj" else (width, H)
+    ka, kb = module + ".lora_A.weight", module + ".lora_B.weight"
+    a, b = tensors[ka], tensors[kb]
+    param = f"{names.experts()}.{projection}"
+    r, alpha = config.rank_alpha(param)
+    _check(ka, a, (r * E_param, peft_in), f"{param}: [r·E, in] with r={r}, E={E_param}")
+    _check(kb, b, (peft_out, r * E_param), f"{param}: [out, r·E] with r={r}, E={E_param}")
+    a_e = a.reshape(E_param, r, peft_in)[:E]  # [E, r, in]
+    b_e = b.reshape(peft_out, r, E_param).transpose(2, 0, 1)[:E]  # [E, out, r]
+    if kind == "llama4":
+        a_e, b_e = b_e.transpose(0, 2, 1), a_e.transpose(0, 2, 1)
+    s = jnp.float32(config.scale(r, alpha))
+    pair = lambda bb: LoRAPair(jnp.asarray(a_e), jnp.asarray(np.ascontiguousarray(bb)), s)
+    if projection == "down_proj":
+        return {"experts.down": pair(b_e)}
+    if kind == "gpt_oss":  # gate in the even columns of gate_up_proj, up in the odd
+        return {"experts.gate": pair(b_e[:, 0::2]), "experts.up": pair(b_e[:, 1::2])}
+    return {"experts.gate": pair(b_e[:, :I]), "experts.up": pair(b_e[:, I:])}
+
+
+def _per_expert(
+    tensors: dict[str, np.ndarray], modules: dict[tuple[int, str], str], cfg: MoEConfig, config: AdapterConfig
+) -> dict[str, LoRAPair]:
+    """Per-expert nn.Linear targets (`experts.{e}.gate_proj` / `w1`, adapters of transformers-4 models); experts
+    the adapter lacks get zeros."""
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    shapes = {"gate": (H, I), "up": (H, I), "down": (I, H)}
+    out = {}
+    for target in ("gate", "up", "down"):
+        present = {e: m for (e, t), m in modules.items() if t == target}
+        if not present:
+            continue
+        if max(present) >= E:
+            raise ValueError(
+                f"load_adapter: {present[max(present)]}.lora_A.weight names expert {max(present)}; cfg has {E}"
+            )
+        ranks = {config.rank_alpha(m) for m in present.values()}
+        scales = {config.scale(r, alpha) for r, alpha in ranks}
+        if len({r for r, _ in ranks}) > 1 or len(scales) > 1:
+            raise NotImplementedError(
+                f"load_adapter: the experts' {target} targets have different (r, alpha) {sorted(ranks)}"
+            )
+        pairs = {e: _plain(tensors, m, m, *shapes[target], config) for e, m in present.items()}
+        first = next(iter(pairs.values()))
+        zero_a, zero_b = np.zeros(first.a.shape, first.a.dtype), np.zeros(first.b.shape, first.b.dtype)
+        a = jnp.stack([pairs[e].a if e in pairs else zero_a for e in range(E)])
+        b = jnp.stack([pairs[e].b if e in pairs else zero_b for e in range(E)])
+        out[f"experts.{target}"] = LoRAPair(a, b, first.scale)
+    return out
+
+
+# -- writing -----------------------------------------------------------------------------------------------------
+
+
+def save_adapter(
+    lora: LoRAParams,
+    cfg: MoEConfig,
+    layer_idx: int,
+    adapter_dir: str | os.PathLike,
+    *,
+    family: str,
+    use_rslora: bool = False,
+) -> None:
+    """Write one block's adapter as a PEFT adapter directory that `load_adapter` (and peft 0.21) reads.
+
+    The block's module names are the family's transformers-5 in-memory names; routed experts are written as
+    fused `target_parameters` (both tensors when any of gate / up / down is set, absent targets as zeros). gate
+    and up become one gate_up_proj target: with the same A and scale it is shared (rank r), otherwise A is
+    the concatenation `[A_gate; A_up]` and B block-diagonal (rank r_gate + r_up; peft's PeftConcatenate does the
+    same), both exact. r and alpha per target go to `rank_pattern` / `alpha_pattern` (alpha = s·r, or s·√r).
+
+    Raises:
+      ValueError: a stack instead of one adapter, unknown family, gate and up with different scales.
+      NotImplementedError: the family's experts are not in the standard layout (gpt-oss, Llama-4).
+    """
+    if lora.is_stack:
+        raise ValueError("save_adapter: pass one adapter, not a stack")
+    if family not in BY_NAME:
+        raise ValueError(f"save_adapter: unknown family {family!r}; one of {sorted(BY_NAME)}")
+    fam = BY_NAME[family]
+    names = _candidates(fam, layer_idx)[0]
+    if lora.experts is not None and (names.layout.experts != "standard" or names.layout.zero_expert_rows):
+        raise NotImplementedError(f"save_adapter: routed-expert adapters of {family} (its expert layout)")
+    tensors: dict[str, np.ndarray] = {}
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    params: list[str] = []
+    modules: list[str] = []
+
+    def put(module: str, pattern_name: str, a: np.ndarray, b: np.ndarray, r: int, scale: float) -> None:
+        tensors[f"{PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(a)
+        tensors[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(b)
+        ranks[re.escape(pattern_name)] = r
+        alphas[re.escape(pattern_name)] = scale * (math.sqrt(r) if use_rslora else r)
+
+    host = lambda x: np.asarray(x)
+    if lora.router is not None:
+        p = lora.router
+        name = names.router() + ".weight"
+        params.append(name)
+        put(names.router(), name, host(p.a), host(p.b), p.rank, float(p.scale))
+    if lora.experts is not None:
+        E, I = cfg.num_experts, cfg.intermediate_size
+        ex = lora.experts
+        fused = {}
+        if ex.gate is not None or ex.up is not None:
+            fused["gate_up_proj"] = _gate_up(ex.gate, ex.up, I)
+        if ex.down is not None:
+            fused["down_proj"] = (host(ex.down.a), host(ex.down.b), float(ex.down.scale))
+        for projection, (a, b, s) in fused.items():
+            # the inner of two nested wrappers is gate_up_proj (see `_fused_order`)
+            module = names.experts() + (".base_layer" if len(fused) == 2 and projection == "gate_up_proj" else "")
+            r, n_in, n_out = a.shape[1], a.shape[2], b.shape[1]
+            params.append(f"{names.experts()}.{projection}")
+            a_flat = a.reshape(E * r, n_in)  # expert-major
+            b_flat = b.transpose(1, 2, 0).reshape(n_out, r * E)  # expert-minor
+            put(module, f"{names.experts()}.{projection}", a_flat, b_flat, r, s)
+    if lora.shared is not None:
+        spelling = dict(zip(_GUD, names.layout.shared_names, strict=True))
+        for target in ("gate", "up", "down", "gate_kernel"):
+            p = getattr(lora.shared, target)
+            if p is None:
+                continue
+            if target == "gate_kernel":
+                module = names.prefix + _SHARED_GATE
+            else:
+                module = names.prefix + names.layout.shared_prefix + spelling[target]
+            modules.append(module)
+            put(module, module, host(p.a), host(p.b), p.rank, float(p.scale))
+    if not tensors:
+        raise ValueError("save_adapter: the adapter has no targets")
+    r_default = next(iter(ranks.values()))
+    config = {
+        "peft_type": "LORA",
+        "r": r_default,
+        "lora_alpha": next(iter(alphas.values())),
+        "use_rslora": use_rslora,
+        "rank_pattern": ranks,
+        "alpha_pattern": alphas,
+        "target_modules": modules,
+        "target_parameters": params,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_dora": False,
+        "lora_bias": False,
+        "fan_in_fan_out": False,
+        "auto_mapping": {"parent_library": f"transformers.models.{fam.model_types[0]}.modeling_{fam.model_types[0]}"},
+    }
+    from safetensors.numpy import save_file
+
+    path = os.fspath(adapter_dir)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(path, WEIGHTS))
+
+
+def _gate_up(gate: LoRAPair | None, up: LoRAPair | None, I: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """(A [E, r, H], B [E, 2I, r], s) of gate_up_proj from the gate and up pairs (one may be None; see
+    `save_adapter`)."""
+    scale = float((gate or up).scale)
+    if gate is not None and up is not None and float(up.scale) != scale:
+        raise ValueError(
+            f"save_adapter: experts.gate and experts.up have scales {float(gate.scale)}, {float(up.scale)}"
+        )
+    if gate is not None and up is not None and gate.a.shape == up.a.shape and bool(jnp.all(gate.a == up.a)):
+        return np.asarray(gate.a), np.concatenate([np.asarray(gate.b), np.asarray(up.b)], axis=1), scale
+    parts_a, blocks = [], []
+    for half, p in enumerate((gate, up)):
+        if p is None:
+            continue
+        b = np.zeros((*p.b.shape[:1], 2 * I, p.rank), np.asarray(p.b).dtype)
+        b[:, half * I : (half + 1) * I] = np.asarray(p.b)
+        parts_a.append(np.asarray(p.a))
+        blocks.append(b)
+    return np.concatenate(parts_a, axis=1), np.concatenate(blocks, axis=2), scale
