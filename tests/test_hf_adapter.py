@@ -81,15 +81,23 @@ def test_peft_fixture_delta_equals_merged(case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_peft_fixture_block_output(case):
-    """The block with ΔW folded into its weights gives torch's output with the adapter active (unmerged)."""
+    """The block with ΔW folded into its weights gives torch's output with peft's merged weights, and with the
+    adapter active (unmerged) too, except where peft's unmerged forward skips a target (LongCat's router)."""
     cfg, base, _, block = _case(case)
+    if "x" not in block:
+        pytest.skip(f"{case}: the fixture has no block output (Gemma-4's block is its whole decoder layer)")
     adapter = hf.load_adapter(os.path.join(FIXTURES, case), cfg, LAYER)
-    folded = jax.tree.map(jnp.asarray, fold(base, adapter))
     x = jnp.asarray(block["x"])
-    got = np.asarray(moe_forward(folded, x, cfg, impl="reference"))
-    want = block["out.adapter"]
-    assert np.abs(want - block["out.base"]).max() > 100 * np.abs(got - want).max()  # the adapter matters
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    run = lambda a: np.asarray(moe_forward(jax.tree.map(jnp.asarray, fold(base, a)), x, cfg, impl="reference"))
+    got = run(adapter)
+    tol = lambda want: {"rtol": 1e-4, "atol": 1e-5 * np.abs(want).max()}
+    assert np.abs(block["out.merged"] - block["out.base"]).max() > 100 * np.abs(got - block["out.merged"]).max()
+    np.testing.assert_allclose(got, block["out.merged"], **tol(block["out.merged"]))
+    if case == "longcat_flash":
+        # LongcatFlashTopkRouter reads `classifier.weight` without calling the Linear, so peft's ParamWrapper (which
+        # applies the delta around the wrapped module's forward) leaves the router unadapted until merged.
+        got = run(dataclasses.replace(adapter, router=None))
+    np.testing.assert_allclose(got, block["out.adapter"], **tol(block["out.adapter"]))
 
 
 def test_peft_layout_facts():
