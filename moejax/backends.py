@@ -18,6 +18,11 @@ Families: "xla" (decode where it fits, else grouped), "cpu", "pallas" likewise.
 "auto": on a GPU, the kernels `pallas_kernels/validated.json` lists for it; then the CPU plans when the weights
 are per-expert; then the XLA plans. The kernels do not apply adapters: with `lora` they raise and "auto" runs the
 XLA/CPU plans.
+
+Gradients: `run_routed` wraps every backend but the reference in a `jax.custom_vjp` whose backward is the VJP of
+`reference_routed` (the plans' loops with device trip counts are not reverse-differentiable). Gradients w.r.t. x,
+the slots' weights and scales, the adapters and the expert weights are the reference path's; the backward costs
+what the reference costs (every expert on every row). Forward-mode (`jax.jvp`) of the plans is not defined.
 """
 
 from __future__ import annotations
@@ -162,13 +167,29 @@ def run_routed(
 ) -> Array:
     """The routed sum `[T, H]` float32 by the first candidate of `impl` that serves the call.
 
-    With `lora` (a stack's expert adapters) each row gets its adapter's deltas (`slots.adapter`).
+    With `lora` (a stack's expert adapters) each row gets its adapter's deltas (`slots.adapter`). Every backend
+    but the reference runs under `jax.custom_vjp` with the reference's backward (see the module docstring).
 
     Raises:
       NotImplementedError: no candidate serves it (the message lists each one's reason).
     """
     names = candidates(impl, *slots.indices.shape)
-    return _dispatch(impl, names, experts, x, slots, act, lora, block_rows)
+    if names == ["reference"]:
+        return _dispatch(impl, names, experts, x, slots, act, lora, block_rows)
+
+    @jax.custom_vjp
+    def routed(experts, x, slots, lora):
+        return _dispatch(impl, names, experts, x, slots, act, lora, block_rows)
+
+    def routed_fwd(experts, x, slots, lora):
+        return routed(experts, x, slots, lora), (experts, x, slots, lora)
+
+    def routed_bwd(residuals, cotangent):
+        reference = lambda experts, x, slots, lora: reference_routed(experts, x, slots, act, lora=lora)
+        return jax.vjp(reference, *residuals)[1](cotangent)
+
+    routed.defvjp(routed_fwd, routed_bwd)
+    return routed(experts, x, slots, lora)
 
 
 def _dispatch(impl, names, experts, x, slots, act, lora, block_rows) -> Array:

@@ -89,7 +89,8 @@ def moe_forward(
     program. The router delta is added to the logits before the selection, the expert and shared-expert deltas
     to their projections (`moejax.lora`); rows with id 0 get the base output bit for bit. Ids outside [0, n]
     are clamped to 0 (no adapter) inside jit; `checked_moe_forward` raises for them instead. The Pallas kernels
-    do not apply adapters: with `lora`, impl="auto" runs the XLA/CPU plans.
+    do not apply adapters: with `lora`, impl="auto" runs the XLA/CPU plans. Differentiable under `jax.jit`
+    (`jax.grad` w.r.t. the adapters, x and the parameters) through every XLA/CPU plan (`moejax.backends`).
 
     On a mesh (x or params placed on several devices, Explicit or Auto axes) each device routes and computes the
     rows of x it holds (`moejax.data_parallel`); the statistics are then summed over the row shards (the union is
