@@ -1,6 +1,6 @@
 """moejax: a Mixture-of-Experts layer for LLM inference in JAX, exact to the major MoE model families."""
 
-from moejax import hf
+from moejax import hf, lora
 from moejax.config import (
     FAMILIES,
     Activation,
@@ -13,6 +13,7 @@ from moejax.config import (
 )
 from moejax.forward import IMPLS, checked_moe_forward, moe_forward
 from moejax.layer import MoE
+from moejax.lora import LoRAParams
 from moejax.params import ExpertWeights, MoEParams, RouterParams, SharedParams, init_params
 from moejax.quantized import dequantize, quantize
 from moejax.routing import Routing, route
@@ -24,6 +25,7 @@ __all__ = [
     "Activation",
     "ClampOrder",
     "ExpertWeights",
+    "LoRAParams",
     "MoE",
     "MoEConfig",
     "MoEParams",
@@ -39,6 +41,7 @@ __all__ = [
     "dequantize",
     "hf",
     "init_params",
+    "lora",
     "moe_forward",
     "quantize",
     "route",

@@ -1,7 +1,8 @@
 """The registry of routed-expert implementations, and the one place `impl=` is resolved.
 
-Every implementation has the same narrow signature, `run(experts, x, slots, act, *, block_rows=None) -> [T, H]`
-float32 (`moejax.experts.Slots`, `GatedActivation`), prepares the weights it needs itself, and raises
+Every implementation has the same narrow signature, `run(experts, x, slots, act, *, lora=None, block_rows=None)
+-> [T, H]` float32 (`moejax.experts.Slots`, `GatedActivation`, `moejax.lora.ExpertLoRA`: a stack's expert
+adapters, each row's id in `slots.adapter`), prepares the weights it needs itself, and raises
 `NotImplementedError` (at trace time) for a case it cannot serve. `impl="auto"` tries an ordered list of
 candidates and takes the first that serves the call; when all fail, one error lists each one's reason.
 
@@ -15,7 +16,13 @@ candidates and takes the first that serves the call; when all fail, one error li
                    the Mosaic GPU kernels (`moejax.kernel_plans`), stacked dense weights; interpreted on CPU.
 Families: "xla" (decode where it fits, else grouped), "cpu", "pallas" likewise.
 "auto": on a GPU, the kernels `pallas_kernels/validated.json` lists for it; then the CPU plans when the weights
-are per-expert; then the XLA plans.
+are per-expert; then the XLA plans. The kernels do not apply adapters: with `lora` they raise and "auto" runs the
+XLA/CPU plans.
+
+Gradients: `run_routed` wraps every backend but the reference in a `jax.custom_vjp` whose backward is the VJP of
+`reference_routed` (the plans' loops with device trip counts are not reverse-differentiable). Gradients w.r.t. x,
+the slots' weights and scales, the adapters and the expert weights are the reference path's; the backward costs
+what the reference costs (every expert on every row). Forward-mode (`jax.jvp`) of the plans is not defined.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import jax
 import pallas_kernels
 from moejax import kernel_plans
 from moejax.experts import Slots, reference_routed
+from moejax.lora import ExpertLoRA, expert_ffn
 from moejax.plans import decode_fits, decode_plan, grouped_plan
 from moejax.weights import Experts, PerExpert
 from pallas_kernels.activations import GatedActivation
@@ -46,41 +54,53 @@ class Backend:
     decode: bool = False
 
 
-def _reference(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
+def _reference(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora=None, block_rows=None) -> Array:
     del block_rows
-    return reference_routed(experts, x, slots, act)
+    return reference_routed(experts, x, slots, act, lora=lora)
 
 
-def _xla_decode(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
+def _xla_decode(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora=None, block_rows=None) -> Array:
     del block_rows
-    return decode_plan(experts, x, slots, act)
+    return decode_plan(experts, x, slots, act, lora=lora)
 
 
-def _xla_grouped(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
-    return grouped_plan(experts, x, slots, act, block_rows=block_rows)
+def _xla_grouped(
+    experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora=None, block_rows=None
+) -> Array:
+    return grouped_plan(experts, x, slots, act, lora=lora, block_rows=block_rows)
 
 
 def _cpu(plan_name: str) -> RoutedFn:
-    def run(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
+    def run(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora=None, block_rows=None) -> Array:
         del block_rows
         if not isinstance(experts, PerExpert):
             raise NotImplementedError(
                 "the CPU plans read the per-expert layout (moejax.weights.to_layout(experts, 'per_expert'))"
             )
         from moejax import cpu_plans  # TODO(integration): module-level import
+        from moejax.experts import check_lora_slots
 
         plan = getattr(cpu_plans, plan_name)
-        expert_fns = [functools.partial(part.ffn, act=act) for part in experts.parts]
+        adapter = check_lora_slots(lora, slots)
+        if lora is None:
+            expert_fns = [functools.partial(part.ffn, act=act) for part in experts.parts]
+        else:  # expert e's adapters sliced statically inside its switch branch
+            expert_fns = [
+                lambda rows, ids, part=part, e=e: expert_ffn(part, rows, act, lora.expert(e), ids)
+                for e, part in enumerate(experts.parts)
+            ]
         padded_rows = min(part.padded_rows for part in experts.parts)
-        return plan(expert_fns, x, slots.indices, slots.in_scale, slots.out_weight, padded_rows=padded_rows)
+        return plan(
+            expert_fns, x, slots.indices, slots.in_scale, slots.out_weight, adapter=adapter, padded_rows=padded_rows
+        )
 
     return run
 
 
 def _pallas(kernel: Callable[..., Array]) -> RoutedFn:
-    def run(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
+    def run(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora=None, block_rows=None) -> Array:
         del block_rows
-        return kernel(experts, x, slots, act)
+        return kernel(experts, x, slots, act, lora=lora)
 
     return run
 
@@ -136,30 +156,62 @@ def candidates(impl: str, num_rows: int, top_k: int) -> list[str]:
 
 
 def run_routed(
-    impl: str, experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows: int | None = None
+    impl: str,
+    experts: Experts,
+    x: Array,
+    slots: Slots,
+    act: GatedActivation,
+    *,
+    lora: ExpertLoRA | None = None,
+    block_rows: int | None = None,
 ) -> Array:
     """The routed sum `[T, H]` float32 by the first candidate of `impl` that serves the call.
+
+    With `lora` (a stack's expert adapters) each row gets its adapter's deltas (`slots.adapter`). Every backend
+    but the reference runs under `jax.custom_vjp` with the reference's backward (see the module docstring).
 
     Raises:
       NotImplementedError: no candidate serves it (the message lists each one's reason).
     """
     names = candidates(impl, *slots.indices.shape)
+    if names == ["reference"]:
+        return _dispatch(impl, names, experts, x, slots, act, lora, block_rows)
+
+    @jax.custom_vjp
+    def routed(experts, x, slots, lora):
+        return _dispatch(impl, names, experts, x, slots, act, lora, block_rows)
+
+    def routed_fwd(experts, x, slots, lora):
+        return routed(experts, x, slots, lora), (experts, x, slots, lora)
+
+    def routed_bwd(residuals, cotangent):
+        reference = lambda experts, x, slots, lora: reference_routed(experts, x, slots, act, lora=lora)
+        return jax.vjp(reference, *residuals)[1](cotangent)
+
+    routed.defvjp(routed_fwd, routed_bwd)
+    return routed(experts, x, slots, lora)
+
+
+def _dispatch(impl, names, experts, x, slots, act, lora, block_rows) -> Array:
     if len(names) == 1:
-        return BACKENDS[names[0]].run(experts, x, slots, act, block_rows=block_rows)
+        return BACKENDS[names[0]].run(experts, x, slots, act, lora=lora, block_rows=block_rows)
     reasons = []
     for name in names:
         try:
-            return BACKENDS[name].run(experts, x, slots, act, block_rows=block_rows)
+            return BACKENDS[name].run(experts, x, slots, act, lora=lora, block_rows=block_rows)
         except NotImplementedError as err:
             reasons.append(f"{name}: {err}")
     raise NotImplementedError(f"impl={impl!r}: no implementation serves this call ({'; '.join(reasons)})")
 
 
-def resolve_impl(impl: str, experts: Experts, x: Array, slots: Slots, act: GatedActivation) -> str:
+def resolve_impl(
+    impl: str, experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora: ExpertLoRA | None = None
+) -> str:
     """The backend `impl` would run for this call (traced abstractly, nothing computed; for tests and benchmarks)."""
     for name in candidates(impl, *slots.indices.shape):
         try:
-            jax.eval_shape(functools.partial(BACKENDS[name].run, act=act), experts, x, slots)
+            run = functools.partial(BACKENDS[name].run, act=act)
+            jax.eval_shape(lambda e, x, s, lo, run=run: run(e, x, s, lora=lo), experts, x, slots, lora)
         except NotImplementedError:
             continue
         return name

@@ -38,6 +38,9 @@ Grouped, `switch_grouped` (prefill, any T; arithmetic and per-call overheads dom
      are dropped).
   4. Each row sums its slots in slot order.
 
+LoRA (`adapter=`): the expert fns take the rows' adapter ids too and add each row's deltas (`moejax.lora.expert_ffn`);
+the plans only route the ids with the rows, and never merge rows of different adapters in decode.
+
 Semantics: `in_scale` (Llama-4: the routing weight scales the expert input) uses the SUMMED-SCALE form: a row that
 picks expert e in several slots runs e once on `(Σ_{k: idx=e} in_scale[t, k]) · x[t]` (rounded to the dtype of x)
 and each of those slots takes that result times its own `out_weight` (as `moejax.experts.reference_routed`).
@@ -158,8 +161,9 @@ def _segment_loops(
       expert_fns: the E expert callables.
       classes: the static row counts, ascending.
       key_of_item: `[N] int32`, `class_index * G + group` of each item to run, `>= C * G` for items to skip.
-      step: `step(r, call, item, carry) -> carry`; `call(e, rows [r, H]) -> [r, H] float32` runs expert e
-        (traced, within the loop's group) through one `lax.switch` over the group's experts.
+      step: `step(r, call, item, carry) -> carry`; `call(e, rows [r, H], *extra) -> [r, H] float32` runs
+        expert e (traced, within the loop's group) through one `lax.switch` over the group's experts, as
+        `expert_fns[e](rows, *extra)` (extra: the rows' adapter ids with LoRA).
       carry: the initial carry.
 
     Returns:
@@ -171,10 +175,10 @@ def _segment_loops(
     seg_count = jnp.bincount(jnp.minimum(key_of_item, C * G), length=C * G + 1)[: C * G].astype(jnp.int32)
     seg_start = jnp.cumsum(seg_count, dtype=jnp.int32) - seg_count
     for g in range(G):
-        branches = [lambda v, f=f: f(v).astype(jnp.float32) for f in expert_fns[g * size : (g + 1) * size]]
+        branches = [lambda *v, f=f: f(*v).astype(jnp.float32) for f in expert_fns[g * size : (g + 1) * size]]
 
-        def call(e: Array, rows: Array, branches=branches, base=g * size) -> Array:
-            return jax.lax.switch(e - base, branches, rows)
+        def call(e: Array, rows: Array, *extra: Array, branches=branches, base=g * size) -> Array:
+            return jax.lax.switch(e - base, branches, rows, *extra)
 
         for ci, r in enumerate(classes):
             s = ci * G + g
@@ -194,6 +198,7 @@ def switch_decode(
     in_scale: Array | None,
     out_weight: Array,
     *,
+    adapter: Array | None = None,
     row_classes: Sequence[int] | None = None,
     padded_rows: int = 1,
 ) -> Array:
@@ -206,6 +211,9 @@ def switch_decode(
       in_scale: `[T, K]` float32 or None; if given, the expert input of slot (t, k) is scaled by it (the
         summed-scale form for a row that picks an expert twice).
       out_weight: `[T, K]` float32, the weight of each slot's output (0 for skipped slots).
+      adapter: `[T]` int32 LoRA adapter ids of the rows, or None. When given, the expert fns are called
+        `expert_fns[e](rows, ids [R])` with each computed row's id (padding rows repeat a real row and its id),
+        and rows with bit-identical inputs share a computed row only when their ids are equal too.
       row_classes: override of `decode_row_classes` (ascending static row counts, the last >= T unless T = 1).
       padded_rows: the expert fns run 2..padded_rows rows at the cost of padded_rows (they pad them): the plan
         compiles one row class for that range (`ExpertFormat.padded_rows`).
@@ -234,6 +242,8 @@ def switch_decode(
     if in_scale is not None:
         row_scale = jnp.einsum("utk,tk->ut", member.astype(jnp.float32), in_scale.astype(jnp.float32))  # [U, T]
         same_input &= row_scale[:, :, None] == row_scale[:, None, :]
+    if adapter is not None:  # rows of different adapters compute different results
+        same_input &= (adapter[:, None] == adapter[None, :])[None]
     shared_with = jnp.argmax(same_input, axis=-1)  # [U, T]: the first row of u with row t's input
     computed = hit & (shared_with == jnp.arange(T))  # [U, T]: rows u computes
     count = computed.sum(-1, dtype=jnp.int32)  # [U]
@@ -253,7 +263,8 @@ def switch_decode(
         rows = x[row_list[u, :r]]  # [r, H]
         if in_scale is not None:
             rows = _scaled(rows, list_scale[u, :r])
-        y = call(union_ids[u], rows)  # [r, H]
+        extra = () if adapter is None else (adapter[row_list[u, :r]],)
+        y = call(union_ids[u], rows, *extra)  # [r, H]
         return jax.lax.dynamic_update_slice(out, y[None], (u, 0, 0))
 
     outs = _segment_loops(expert_fns, classes, key, step, jnp.zeros((U, R, H), jnp.float32))
@@ -268,6 +279,7 @@ def switch_grouped(
     in_scale: Array | None,
     out_weight: Array,
     *,
+    adapter: Array | None = None,
     row_classes: Sequence[int] | None = None,
     padded_rows: int = 1,
 ) -> Array:
@@ -279,6 +291,8 @@ def switch_grouped(
       indices: `[T, K]` int32; ids outside [0, E) are skipped (never computed).
       in_scale: `[T, K]` float32 or None (summed-scale form, as in `switch_decode`).
       out_weight: `[T, K]` float32.
+      adapter: `[T]` int32 LoRA adapter ids of the rows, or None; when given the expert fns are called
+        `expert_fns[e](rows, ids [R])`, each block row with its pair's token's id (padding rows' results dropped).
       row_classes: override of `grouped_row_classes` (block row counts; the largest is the full block).
       padded_rows: as in `switch_decode`; blocks have at least GROUPED_MIN_ROWS > padded_rows rows.
 
@@ -318,7 +332,8 @@ def switch_grouped(
         xb = x[pairs // K]  # [r, H]
         if in_scale is not None:
             xb = _scaled(xb, pair_scale[pairs])
-        y = call(block_expert[b], xb)  # [r, H]
+        extra = () if adapter is None else (adapter[pairs // K],)
+        y = call(block_expert[b], xb, *extra)  # [r, H]
         dest = jnp.where(jnp.arange(r) < block_real[b], pairs, M + jnp.arange(r))  # padding rows: dropped
         return out.at[dest].set(y, mode="drop", unique_indices=True)
 

@@ -79,11 +79,20 @@ def mesh_of(params, x: Array, token_ids: Array | None):
 
 
 def over_rows(
-    forward: Callable[..., Any], params, x: Array, token_ids: Array | None, mesh, *, with_stats: bool = False
+    forward: Callable[..., Any],
+    params,
+    x: Array,
+    token_ids: Array | None,
+    mesh,
+    *,
+    with_stats: bool = False,
+    adapter_ids: Array | None = None,
 ) -> Any:
     """`forward(params, x, token_ids)` (a per-row function `[..., H] -> [..., H]`) with x's rows split over the
     mesh as in the module docstring. Jit-able. With `with_stats`, `forward` returns `(y, MoEStats)` and the
-    statistics are summed over the mesh axes the rows are split over (one call, not one per shard)."""
+    statistics are summed over the mesh axes the rows are split over (one call, not one per shard). With
+    `adapter_ids` (LoRA ids, shaped like token_ids), `forward(params, x, token_ids, adapter_ids)`, the ids split
+    with the rows; `params` may be any pytree (replicated), e.g. `(params, lora)`."""
     placed = _array_placement(x)
     spec = placed[1] if placed is not None else P()
     x_spec = _row_spec(spec, mesh, tuple(x.shape))
@@ -98,6 +107,8 @@ def over_rows(
         params = jax.tree.map(place, params, param_specs)
         x = place(x, x_spec)
         token_ids = None if token_ids is None else place(token_ids, tid_spec)
+        adapter_ids = None if adapter_ids is None else place(adapter_ids, tid_spec)
+    row_args = (token_ids,) if adapter_ids is None else (token_ids, adapter_ids)
     out_specs = x_spec
     if with_stats:
         row_axes = tuple(a for entry in tuple(x_spec)[:-1] if entry for a in _names(entry))
@@ -106,11 +117,11 @@ def over_rows(
     fn = jax.shard_map(
         forward,
         mesh=mesh,
-        in_specs=(param_specs, x_spec, tid_spec),
+        in_specs=(param_specs, x_spec, *(tid_spec,) * len(row_args)),
         out_specs=out_specs,
         check_vma=False,
     )
-    return fn(params, x, token_ids)
+    return fn(params, x, *row_args)
 
 
 def _names(entry) -> tuple[str, ...]:
@@ -118,10 +129,10 @@ def _names(entry) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _summed_stats(forward: Callable[..., Any], params, x, token_ids, *, row_axes: tuple[str, ...]):
+def _summed_stats(forward: Callable[..., Any], params, x, *row_args, row_axes: tuple[str, ...]):
     """`forward`'s `(y, stats)` with the stats summed over the row shards, as one call: the union is that of the
     summed expert load (the distinct experts the whole batch chose), not a sum of the shards' unions."""
-    y, stats = forward(params, x, token_ids)
+    y, stats = forward(params, x, *row_args)
     if row_axes:
         summed = jax.lax.psum(stats, row_axes)
         union = jnp.sum(summed.expert_load > 0, dtype=jnp.int32)

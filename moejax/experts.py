@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import Activation, MoEConfig
+from moejax.lora import ExpertLoRA, SharedLoRA, add_delta, expert_ffn, pair_delta
 from moejax.params import SharedParams
 from moejax.routing import Routing
 from moejax.weights import Experts, ExpertWeights, as_stacked
@@ -33,11 +34,14 @@ class Slots:
       another device) are skipped: never computed, their weights never read.
     out_weight: float32 weight of the slot's output (0 for skipped slots).
     in_scale: float32 scale of the slot's input (Llama-4), or None for unscaled inputs.
+    adapter: `[T]` int32 LoRA adapter id of each row (already clamped into the stack's ids; 0 = none), or None
+      without adapters. Read only when the plan is given `lora=`.
     """
 
     indices: Array
     out_weight: Array
     in_scale: Array | None = None
+    adapter: Array | None = None
 
     @property
     def num_rows(self) -> int:
@@ -54,13 +58,14 @@ def shared_activation(cfg: MoEConfig) -> GatedActivation:
     return dataclasses.replace(expert_activation(cfg), limit=cfg.shared_swiglu_limit)
 
 
-def slots_from_routing(routing: Routing, cfg: MoEConfig) -> Slots:
+def slots_from_routing(routing: Routing, cfg: MoEConfig, adapter: Array | None = None) -> Slots:
     """The slots of `routing`: normally the output weighted by the routing weight; Llama-4 scales the input and
-    sums the outputs unweighted. Zero-computation experts get output weight 0 (the combine adds their term)."""
+    sums the outputs unweighted. Zero-computation experts get output weight 0 (the combine adds their term).
+    `adapter`: the rows' LoRA adapter ids `[T]` (clamped), or None."""
     real = routing.indices < cfg.num_experts
     if cfg.weights_on_input:
-        return Slots(routing.indices, jnp.where(real, 1.0, 0.0).astype(jnp.float32), routing.weights)
-    return Slots(routing.indices, jnp.where(real, routing.weights, 0.0))
+        return Slots(routing.indices, jnp.where(real, 1.0, 0.0).astype(jnp.float32), routing.weights, adapter)
+    return Slots(routing.indices, jnp.where(real, routing.weights, 0.0), None, adapter)
 
 
 def combine_slots(per_slot: Array, out_weight: Array) -> Array:
@@ -70,27 +75,43 @@ def combine_slots(per_slot: Array, out_weight: Array) -> Array:
     return weighted.sum(1)
 
 
-def shared_expert_ffn(x: Array, shared: SharedParams, cfg: MoEConfig, *, float32: bool = False) -> Array:
+def shared_expert_ffn(
+    x: Array,
+    shared: SharedParams,
+    cfg: MoEConfig,
+    *,
+    float32: bool = False,
+    lora: SharedLoRA | None = None,
+    adapter: Array | None = None,
+) -> Array:
     """The shared expert on all rows `x [T, H]` -> `[T, H]` float32, its sigmoid gate applied if it has one.
 
-    `float32=True` computes in float32 whatever the weight dtype (the reference)."""
+    `float32=True` computes in float32 whatever the weight dtype (the reference). `lora` (a stack's shared
+    targets) and `adapter [T]` (the rows' ids) add the rows' deltas to gate/up/down (`moejax.lora.expert_ffn`) and
+    to the sigmoid gate's logit before it is rounded and squashed."""
     if float32:
         shared = jax.tree.map(lambda w: w.astype(jnp.float32), shared)
-    y = ExpertWeights(shared.gate, shared.up, shared.down).ffn(x, shared_activation(cfg))
+    y = expert_ffn(ExpertWeights(shared.gate, shared.up, shared.down), x, shared_activation(cfg), lora, adapter)
     if shared.gate_kernel is not None:
         dtype = shared.gate.dtype
         g = jnp.dot(x.astype(dtype), shared.gate_kernel.astype(dtype), preferred_element_type=jnp.float32)  # [T, 1]
+        if lora is not None:
+            g = add_delta(g, pair_delta(lora.gate_kernel, x, adapter), adapter)
         y = jax.nn.sigmoid(g.astype(dtype).astype(jnp.float32)) * y
     return y
 
 
-def reference_routed(experts: Experts, x: Array, slots: Slots, act: GatedActivation) -> Array:
+def reference_routed(
+    experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora: ExpertLoRA | None = None
+) -> Array:
     """Dense float32 reference of `Σ_k w_k · E_{idx_k}(s_k · x)` `[T, H]`: every expert on every token, masked.
 
     A scan over experts dequantizes one expert at a time to float32 (`ExpertFormat.dequantize`), so memory
     stays O(T·H + one expert's weights) at any E. A row that picks an expert in two slots (hash routing) sums
-    their input scales, as the models do.
+    their input scales, as the models do. With `lora` (a stack's expert targets) each row gets the deltas of its
+    adapter `slots.adapter` (`moejax.lora.expert_ffn`). Differentiable (the backward of every other plan).
     """
+    adapter = check_lora_slots(lora, slots)
     experts = as_stacked(experts)
     E = experts.num_experts
     chosen = jax.nn.one_hot(slots.indices, E, dtype=jnp.float32)  # [T, K, E]; skipped ids have no column
@@ -102,8 +123,21 @@ def reference_routed(experts: Experts, x: Array, slots: Slots, act: GatedActivat
 
     def one_expert(acc: Array, e: Array) -> tuple[Array, None]:
         rows = x32 if slots.in_scale is None else x32 * scale[e][:, None]
-        y = experts.expert(e).dequantize().ffn(rows, act)  # [T, H]
+        one_lora = None if lora is None else lora.expert(e)
+        y = expert_ffn(experts.expert(e).dequantize(), rows, act, one_lora, adapter)  # [T, H]
         return acc + jnp.where(selected[e][:, None], out_w[e][:, None] * y, 0.0), None
 
     out, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, jnp.float32), jnp.arange(E))
     return out
+
+
+def check_lora_slots(lora: ExpertLoRA | None, slots: Slots) -> Array | None:
+    """The rows' adapter ids the plans use with `lora` (None without it); `ValueError` when `lora` is given and
+    `slots.adapter` is missing or not `[T]`."""
+    if lora is None:
+        return None
+    T = slots.indices.shape[0]
+    if slots.adapter is None or tuple(slots.adapter.shape) != (T,):
+        got = None if slots.adapter is None else tuple(slots.adapter.shape)
+        raise ValueError(f"lora given: slots.adapter must be [T]=({T},) int32 adapter ids, got {got}")
+    return slots.adapter

@@ -19,6 +19,7 @@ from moejax.backends import IMPLS, resolve_impl, run_routed
 from moejax.config import MoEConfig, ScalingTarget
 from moejax.data_parallel import mesh_of, over_rows
 from moejax.experts import expert_activation, shared_expert_ffn, slots_from_routing
+from moejax.lora import LoRAParams, SharedLoRA, check_lora, clamp_ids
 from moejax.params import MoEParams, SharedParams, check_params
 from moejax.routing import Routing, as_token_ids, check_route_inputs, rms_normalize, route, router_logits
 from moejax.stats import MoEStats, routing_stats
@@ -35,6 +36,35 @@ def check_inputs(params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array |
     check_route_inputs(x, cfg, token_ids)
 
 
+def check_lora_inputs(lora: LoRAParams | None, adapter_ids, x: Array, cfg: MoEConfig):
+    """The adapter ids as an integer array (host lists converted), after trace-time checks: `lora` and
+    `adapter_ids` both or neither, `lora` a stack fitting `cfg` (`moejax.lora.check_lora`), ids integer with
+    shape `x.shape[:-1]`. Raises `TypeError`/`ValueError` naming the argument and both shapes."""
+    if lora is None and adapter_ids is None:
+        return None
+    if lora is None:
+        raise ValueError("adapter_ids given without lora: pass the adapters (lora=moejax.lora.stack([...]))")
+    if adapter_ids is None:
+        raise ValueError(f"lora given without adapter_ids: pass int32 ids of shape x.shape[:-1]={tuple(x.shape[:-1])}")
+    if not isinstance(lora, LoRAParams):
+        raise TypeError(f"lora must be a moejax.LoRAParams stack (moejax.lora.stack), got {type(lora).__name__}")
+    if not lora.is_stack:
+        raise ValueError(
+            "lora is one adapter, not a stack: moe_forward takes stacked adapters with per-row ids; "
+            "use moejax.lora.stack([adapter]) and adapter_ids=1 for its rows (0 = no adapter)"
+        )
+    check_lora(lora, cfg)
+    if not hasattr(adapter_ids, "shape") or not hasattr(adapter_ids, "dtype"):
+        adapter_ids = jnp.asarray(adapter_ids, jnp.int32)
+    if tuple(adapter_ids.shape) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"adapter_ids must have shape x.shape[:-1]={tuple(x.shape[:-1])}, got {tuple(adapter_ids.shape)}"
+        )
+    if not jnp.issubdtype(adapter_ids.dtype, jnp.integer):
+        raise TypeError(f"adapter_ids must be integers, got dtype {adapter_ids.dtype}")
+    return adapter_ids
+
+
 def moe_forward(
     params: MoEParams,
     x: Array,
@@ -42,6 +72,8 @@ def moe_forward(
     token_ids: Array | None = None,
     impl: str = "auto",
     *,
+    lora: LoRAParams | None = None,
+    adapter_ids: Array | None = None,
     return_stats: bool = False,
 ) -> Array | tuple[Array, MoEStats]:
     """The MoE block: `x [..., H]` -> `[..., H]` in x's dtype. Pure and jit-able (`cfg`, `impl` static).
@@ -52,48 +84,88 @@ def moe_forward(
     6. Cast to x's dtype. The routed experts may be in either layout (`moejax.weights`): stacked or per-expert.
     With `return_stats=True`, also the routing statistics of the call (`moejax.stats.MoEStats`, on device).
 
+    LoRA: `lora` is a stack of adapters (`moejax.lora.stack`; id 0 = no adapter) and `adapter_ids` (integer,
+    shape `x.shape[:-1]`) names each row's adapter; both are traced, so any mix of adapters is one compiled
+    program. The router delta is added to the logits before the selection, the expert and shared-expert deltas
+    to their projections (`moejax.lora`); rows with id 0 get the base output bit for bit. Ids outside [0, n]
+    are clamped to 0 (no adapter) inside jit; `checked_moe_forward` raises for them instead. The Pallas kernels
+    do not apply adapters: with `lora`, impl="auto" runs the XLA/CPU plans. Differentiable under `jax.jit`
+    (`jax.grad` w.r.t. the adapters, x and the parameters) through every XLA/CPU plan (`moejax.backends`).
+
     On a mesh (x or params placed on several devices, Explicit or Auto axes) each device routes and computes the
     rows of x it holds (`moejax.data_parallel`); the statistics are then summed over the row shards (the union is
     that of the whole batch, as on one device). An empty batch (no rows) gives an empty output.
     """
     token_ids = as_token_ids(token_ids, cfg)
     check_inputs(params, x, cfg, token_ids)
+    adapter_ids = check_lora_inputs(lora, adapter_ids, x, cfg)
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
     if math.prod(x.shape[:-1]) == 0:
         y = jnp.zeros_like(x)
         return (y, dataclasses.replace(MoEStats.zeros(cfg.num_experts), calls=jnp.int32(1))) if return_stats else y
     rows_forward = functools.partial(_rows_forward, cfg=cfg, impl=impl, return_stats=return_stats)
-    mesh = mesh_of(params, x, token_ids)
+    if lora is not None:
+        adapter_ids = clamp_ids(adapter_ids, lora.num_ids)
+    mesh = mesh_of((params, lora), x, token_ids)
     if mesh is not None:
-        return over_rows(rows_forward, params, x, token_ids, mesh, with_stats=return_stats)
-    return rows_forward(params, x, token_ids)
+        return over_rows(
+            rows_forward, (params, lora), x, token_ids, mesh, with_stats=return_stats, adapter_ids=adapter_ids
+        )
+    return rows_forward((params, lora), x, token_ids, adapter_ids)
 
 
 def _rows_forward(
-    params: MoEParams, x: Array, token_ids: Array | None, *, cfg: MoEConfig, impl: str, return_stats: bool
+    params_lora: tuple[MoEParams, LoRAParams | None],
+    x: Array,
+    token_ids: Array | None,
+    adapter_ids: Array | None = None,
+    *,
+    cfg: MoEConfig,
+    impl: str,
+    return_stats: bool,
 ) -> Array | tuple[Array, MoEStats]:
     """Steps 1-6 of `moe_forward` on the rows at hand (all of them, or one device's)."""
+    params, lora = params_lora
     flat = x.reshape(-1, cfg.hidden_size)  # [T, H]
-    routing = route(params, flat, cfg, None if token_ids is None else token_ids.reshape(-1))
+    adapter = None if lora is None else adapter_ids.reshape(-1)
+    router_lora = None if lora is None else lora.router
+    tids = None if token_ids is None else token_ids.reshape(-1)
+    routing = route(params, flat, cfg, tids, lora=router_lora, adapter=adapter)
     x_e = expert_input(params, flat, cfg)
-    routed = run_routed(impl, params.experts, x_e, slots_from_routing(routing, cfg), expert_activation(cfg))
-    out = add_once_terms(routed, x_e, routing, params.shared, cfg, float32=impl == "reference")
+    slots = slots_from_routing(routing, cfg, adapter)
+    expert_lora = None if lora is None else lora.experts
+    routed = run_routed(impl, params.experts, x_e, slots, expert_activation(cfg), lora=expert_lora)
+    shared_lora = None if lora is None else lora.shared
+    out = add_once_terms(
+        routed, x_e, routing, params.shared, cfg, float32=impl == "reference", lora=shared_lora, adapter=adapter
+    )
     y = out.astype(x.dtype).reshape(x.shape)
     return (y, routing_stats(routing, cfg)) if return_stats else y
 
 
-def chosen_impl(params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array | None = None, impl: str = "auto") -> str:
-    """The routed-expert backend `moe_forward(params, x, cfg, token_ids, impl)` runs (traced abstractly: nothing
-    is computed; params and x may be `jax.ShapeDtypeStruct`s)."""
+def chosen_impl(
+    params: MoEParams,
+    x: Array,
+    cfg: MoEConfig,
+    token_ids: Array | None = None,
+    impl: str = "auto",
+    *,
+    lora: LoRAParams | None = None,
+) -> str:
+    """The routed-expert backend `moe_forward(params, x, cfg, token_ids, impl, lora=lora, ...)` runs (traced
+    abstractly: nothing is computed; params and x may be `jax.ShapeDtypeStruct`s)."""
 
     def inputs(params, x, token_ids):
         flat = x.reshape(-1, cfg.hidden_size)
         tids = None if token_ids is None else token_ids.reshape(-1)
-        return expert_input(params, flat, cfg), slots_from_routing(route(params, flat, cfg, tids), cfg)
+        adapter = None if lora is None else jnp.zeros(flat.shape[:1], jnp.int32)
+        slots = slots_from_routing(route(params, flat, cfg, tids), cfg, adapter)
+        return expert_input(params, flat, cfg), slots
 
     x_e, slots = jax.eval_shape(inputs, params, x, token_ids)
-    return resolve_impl(impl, params.experts, x_e, slots, expert_activation(cfg))
+    expert_lora = None if lora is None else lora.experts
+    return resolve_impl(impl, params.experts, x_e, slots, expert_activation(cfg), lora=expert_lora)
 
 
 def expert_input(params: MoEParams, x: Array, cfg: MoEConfig) -> Array:
@@ -113,13 +185,16 @@ def add_once_terms(
     *,
     float32: bool = False,
     reduce_shared: Callable[[Array], Array] | None = None,
+    lora: SharedLoRA | None = None,
+    adapter: Array | None = None,
 ) -> Array:
     """Steps 3-5 of `moe_forward`: the terms added exactly once to the (fully reduced) routed sum `[T, H]`.
 
     Output scaling (Step-3.7), `+ zero_weight · x_e` (LongCat), `+ shared(x_e)` with its sigmoid gate (in float32
     with `float32=True`, the reference). `reduce_shared` reduces the shared expert's partial sums when its
     intermediate axis is split (expert parallelism passes a psum; the gate multiplies each partial, exact because
-    the reduction is linear).
+    the reduction is linear). `lora`/`adapter`: the shared expert's adapters and the rows' ids
+    (`shared_expert_ffn`).
     """
     out = routed
     if cfg.scaling_target is ScalingTarget.OUTPUT and cfg.routed_scaling_factor != 1.0:
@@ -127,18 +202,26 @@ def add_once_terms(
     if routing.zero_weight is not None:
         out = out + routing.zero_weight[:, None] * x_e.astype(jnp.float32)
     if shared is not None:
-        y = shared_expert_ffn(x_e, shared, cfg, float32=float32)  # [T, H]
+        y = shared_expert_ffn(x_e, shared, cfg, float32=float32, lora=lora, adapter=adapter)  # [T, H]
         out = out + (y if reduce_shared is None else reduce_shared(y))
     return out
 
 
 def checked_moe_forward(
-    params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array | None = None, impl: str = "auto"
+    params: MoEParams,
+    x: Array,
+    cfg: MoEConfig,
+    token_ids: Array | None = None,
+    impl: str = "auto",
+    *,
+    lora: LoRAParams | None = None,
+    adapter_ids: Array | None = None,
 ) -> Array:
     """`moe_forward` that raises on what the unchecked forward defines away inside jit. Call it outside jit.
 
-    Raises `checkify.JaxRuntimeError` when any router logit is not finite, or (hash routing) a token id is
-    outside [0, vocab_size) or a table entry outside [0, num_experts + num_zero_experts). Jitted with
+    Raises `checkify.JaxRuntimeError` when any router logit is not finite, (hash routing) a token id is
+    outside [0, vocab_size) or a table entry outside [0, num_experts + num_zero_experts), or (LoRA) an adapter
+    id is outside [0, n] for a stack of n adapters. Jitted with
     `jax.experimental.checkify`; costs one extra router matmul (shared with the forward by XLA's CSE).
 
     Inside your own `jax.jit` a check cannot raise: use `moe_forward_with_checks` there, and functionalize the
@@ -146,18 +229,26 @@ def checked_moe_forward(
     """
     token_ids = as_token_ids(token_ids, cfg)
     check_inputs(params, x, cfg, token_ids)
-    if any(isinstance(a, jax.core.Tracer) for a in (x, token_ids, *jax.tree.leaves(params))):
+    adapter_ids = check_lora_inputs(lora, adapter_ids, x, cfg)
+    if any(isinstance(a, jax.core.Tracer) for a in (x, token_ids, adapter_ids, *jax.tree.leaves((params, lora)))):
         raise TypeError(
             "checked_moe_forward raises, so it runs outside jit; inside a traced function call "
             "moejax.forward.moe_forward_with_checks and wrap the step: checkify.checkify(jax.jit(step))"
         )
-    err, y = _checked_forward(params, x, token_ids, cfg, impl)
+    err, y = _checked_forward(params, x, token_ids, lora, adapter_ids, cfg, impl)
     err.throw()
     return y
 
 
 def moe_forward_with_checks(
-    params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array | None = None, impl: str = "auto"
+    params: MoEParams,
+    x: Array,
+    cfg: MoEConfig,
+    token_ids: Array | None = None,
+    impl: str = "auto",
+    *,
+    lora: LoRAParams | None = None,
+    adapter_ids: Array | None = None,
 ) -> Array:
     """`moe_forward` plus the `checkify.check`s of `checked_moe_forward`, for use inside the caller's own jit.
 
@@ -172,6 +263,11 @@ def moe_forward_with_checks(
     """
     token_ids = as_token_ids(token_ids, cfg)
     check_inputs(params, x, cfg, token_ids)
+    adapter_ids = check_lora_inputs(lora, adapter_ids, x, cfg)
+    if lora is not None:
+        n = lora.num_ids - 1
+        in_range = (adapter_ids >= 0) & (adapter_ids <= n)
+        checkify.check(jnp.all(in_range), f"moejax: adapter_ids outside [0, {n}] (the stack's adapters, 0 = none)")
     logits = router_logits(params.router, x.reshape(-1, cfg.hidden_size), cfg)
     checkify.check(jnp.all(jnp.isfinite(logits)), "moejax: non-finite router logits")
     if cfg.hash_routing:
@@ -180,10 +276,14 @@ def moe_forward_with_checks(
         table = params.router.tid2eid
         ok_table = (table >= 0) & (table < cfg.num_selectable)
         checkify.check(jnp.all(ok_table), f"moejax: tid2eid entries outside [0, {cfg.num_selectable})")
-    return moe_forward(params, x, cfg, token_ids, impl)
+    return moe_forward(params, x, cfg, token_ids, impl, lora=lora, adapter_ids=adapter_ids)
 
 
 _checked_forward = jax.jit(
-    checkify.checkify(lambda params, x, token_ids, cfg, impl: moe_forward_with_checks(params, x, cfg, token_ids, impl)),
-    static_argnums=(3, 4),
+    checkify.checkify(
+        lambda params, x, token_ids, lora, adapter_ids, cfg, impl: moe_forward_with_checks(
+            params, x, cfg, token_ids, impl, lora=lora, adapter_ids=adapter_ids
+        )
+    ),
+    static_argnums=(5, 6),
 )

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -198,3 +199,159 @@ def add_delta(y: Array, delta: Array | None, adapter: Array) -> Array:
     if delta is None:
         return y
     return jnp.where((adapter != 0)[:, None], y + delta, y)
+
+
+def expert_ffn(w: Any, x: Array, act: Any, lora: Any = None, adapter: Array | None = None) -> Array:
+    """One expert's FFN with the rows' deltas: `x [R, H]` -> float32 `[R, H]`. The one place the plans, the
+    reference and the shared expert apply expert adapters.
+
+    `w` is one expert of any weight format (`gate_up`, `down_proj`, `ffn`, `padded_rows`: quantized bases read
+    through their own operations); `lora` anything with `gate`/`up`/`down` `LoRAPair | None` fields holding every
+    adapter of this expert (`ExpertLoRA.expert(e)`, `SharedLoRA`), `adapter [R]` the rows' ids. Gate and up
+    deltas are added to the float32 projections before the activation, the down delta (of the float32
+    activation) after the down projection. Without `lora` this is `w.ffn(x, act)`. Rows 2..`w.padded_rows` are
+    padded (with id 0) as the format's own `ffn` pads them, so a row's bits do not depend on the row count.
+    """
+    if lora is None:
+        return w.ffn(x, act)
+    R, P = x.shape[0], getattr(w, "padded_rows", 1)
+    if 1 < R < P:
+        x = jnp.pad(x, ((0, P - R), (0, 0)))
+        adapter = jnp.pad(adapter, (0, P - R))
+    gate, up = w.gate_up(x)  # [R, I] float32 each
+    gate = add_delta(gate, pair_delta(lora.gate, x, adapter), adapter)
+    up = add_delta(up, pair_delta(lora.up, x, adapter), adapter)
+    h = act(gate, up)  # [R, I] float32
+    y = add_delta(w.down_proj(h), pair_delta(lora.down, h, adapter), adapter)  # [R, H]
+    return y[:R]
+
+
+def clamp_ids(adapter_ids: Array, num_ids: int) -> Array:
+    """Adapter ids as int32, those outside [0, num_ids) replaced by 0 (no adapter): inside jit ids cannot raise
+    (`moejax.checked_moe_forward` raises instead)."""
+    ids = jnp.asarray(adapter_ids)
+    ok = (ids >= 0) & (ids < num_ids)
+    return jnp.where(ok, ids, 0).astype(jnp.int32)
+
+
+def _target_shapes(cfg) -> dict[str, tuple[tuple[int, ...], int, int]]:
+    """Every target `cfg` allows: dotted name -> (leading axes, in, out)."""
+    H, E, I = cfg.hidden_size, cfg.num_experts, cfg.intermediate_size
+    out = {
+        "router": ((), H, cfg.num_selectable),
+        "experts.gate": ((E,), H, I),
+        "experts.up": ((E,), H, I),
+        "experts.down": ((E,), I, H),
+    }
+    if cfg.shared_expert.value != "none":
+        Is = cfg.shared_intermediate_size
+        out |= {"shared.gate": ((), H, Is), "shared.up": ((), H, Is), "shared.down": ((), Is, H)}
+        if cfg.shared_expert.value == "sigmoid_gated":
+            out["shared.gate_kernel"] = ((), H, 1)
+    return out
+
+
+def check_lora(lora: LoRAParams, cfg) -> None:
+    """Raise `ValueError` naming the target and both shapes when `lora` (one adapter or a stack) does not fit
+    `cfg`: a target the config has no weight for (a shared expert, its sigmoid gate), A / B / scale shapes
+    (hidden size, experts, intermediate sizes, N = num_selectable for the router), ranks of A and B that differ,
+    and a stack whose targets disagree on the number of adapters. Shape-only: safe on tracers."""
+    if not isinstance(lora, LoRAParams):
+        raise TypeError(f"lora must be a moejax.LoRAParams (moejax.lora.stack of adapters), got {type(lora).__name__}")
+    allowed = _target_shapes(cfg)
+    pairs = lora.pairs()
+    stacked = lora.is_stack
+    ids = {p.scale.shape[0] for p in pairs.values() if p.scale.ndim == 1}
+    if len(ids) > 1:
+        raise ValueError(f"lora: targets of one stack hold different numbers of adapter ids {sorted(ids)}")
+    n = tuple(ids) if stacked else ()
+    for name, pair in pairs.items():
+        if name not in allowed:
+            raise ValueError(f"lora {name}: this config has no such weight (targets it allows: {sorted(allowed)})")
+        lead, n_in, n_out = allowed[name]
+        r = pair.a.shape[-2] if pair.a.ndim >= 2 else None
+        want_a, want_b = (*n, *lead, r, n_in), (*n, *lead, n_out, r)
+        got_a, got_b = tuple(pair.a.shape), tuple(pair.b.shape)
+        if got_a != want_a:
+            raise ValueError(f"lora {name}: A expected shape {want_a} ([adapters,] [E,] r, in), got {got_a}")
+        if got_b != want_b:
+            raise ValueError(f"lora {name}: B expected shape {want_b} ([adapters,] [E,] out, r), got {got_b}")
+        if tuple(jnp.shape(pair.scale)) != n:
+            raise ValueError(f"lora {name}: scale expected shape {n}, got {tuple(jnp.shape(pair.scale))}")
+
+
+def select(lora: LoRAParams, adapter_id: int | None = None) -> LoRAParams:
+    """One adapter: `lora` itself when it is one (`adapter_id` None), or id `adapter_id` (static) of a stack."""
+    if not lora.is_stack:
+        if adapter_id is not None:
+            raise ValueError(f"adapter_id={adapter_id}: lora is one adapter, not a stack; pass adapter_id=None")
+        return lora
+    if adapter_id is None or not 0 <= int(adapter_id) < lora.num_ids:
+        raise ValueError(f"adapter_id={adapter_id} must be an int in [0, {lora.num_ids}) for this stack")
+    take = lambda p: LoRAPair(p.a[adapter_id], p.b[adapter_id], p.scale[adapter_id])
+    return from_pairs({name: take(p) for name, p in lora.pairs().items()})
+
+
+def delta_weight(pair: LoRAPair) -> Array:
+    """`ΔW = s · B @ A` of one adapter's target, float32 `[..., out, in]` (PEFT's orientation)."""
+    a, b = pair.a.astype(jnp.float32), pair.b.astype(jnp.float32)
+    return jnp.asarray(pair.scale, jnp.float32) * jnp.einsum("...or,...ri->...oi", b, a)
+
+
+def merge(params, lora: LoRAParams, adapter_id: int | None = None, *, sign: float = 1.0):
+    """`params` with one adapter's deltas folded into the weights: `W + s·B·A` for every target.
+
+    Args:
+      params: `moejax.MoEParams`, routed experts in any format and layout.
+      lora: one adapter, or a stack with a static `adapter_id` (0 returns the weights unchanged in value).
+      sign: -1 subtracts the delta (`unmerge`).
+
+    Returns:
+      `MoEParams` in the layout of `params`. Dense weights keep their dtype (a bfloat16 base is rounded to
+      bfloat16 after the float32 sum; float32 is exact within float32). Quantized routed experts are dequantized
+      to float32 dense `ExpertWeights` first (the merged weights are not re-quantized).
+    """
+    from moejax.params import MoEParams
+    from moejax.weights import ExpertWeights, PerExpert, as_stacked, to_layout
+
+    if not isinstance(params, MoEParams):
+        raise TypeError(f"merge: params must be moejax.MoEParams, got {type(params).__name__}")
+    one = select(lora, adapter_id).pairs()
+
+    def add(w: Array, pair: LoRAPair | None) -> Array:  # w stored [..., in, out]
+        if pair is None:
+            return w
+        d = jnp.swapaxes(delta_weight(pair), -1, -2)
+        return (w.astype(jnp.float32) + sign * d).astype(w.dtype)
+
+    router = dataclasses.replace(params.router, kernel=add(params.router.kernel, one.get("router")))
+    experts = params.experts
+    if any(name.startswith("experts.") for name in one):
+        per_expert = isinstance(experts, PerExpert)
+        dense = as_stacked(experts)
+        if type(dense) is not ExpertWeights:
+            dense = dense.dequantize()
+        dense = dataclasses.replace(
+            dense,
+            gate=add(dense.gate, one.get("experts.gate")),
+            up=add(dense.up, one.get("experts.up")),
+            down=add(dense.down, one.get("experts.down")),
+        )
+        experts = to_layout(dense, "per_expert" if per_expert else "stacked")
+    shared = params.shared
+    if shared is not None:
+        shared = dataclasses.replace(
+            shared,
+            gate=add(shared.gate, one.get("shared.gate")),
+            up=add(shared.up, one.get("shared.up")),
+            down=add(shared.down, one.get("shared.down")),
+            gate_kernel=None if shared.gate_kernel is None else add(shared.gate_kernel, one.get("shared.gate_kernel")),
+        )
+    elif any(name.startswith("shared.") for name in one):
+        raise ValueError("merge: the adapter has shared-expert targets but params has no shared expert")
+    return dataclasses.replace(params, router=router, experts=experts, shared=shared)
+
+
+def unmerge(params, lora: LoRAParams, adapter_id: int | None = None):
+    """The inverse of `merge`: `W - s·B·A` (exact up to float32 rounding; quantized experts come back dense)."""
+    return merge(params, lora, adapter_id, sign=-1.0)

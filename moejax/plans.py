@@ -33,7 +33,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moejax.experts import Slots, combine_slots
+from moejax.experts import Slots, check_lora_slots, combine_slots
+from moejax.lora import ExpertLoRA, expert_ffn
 from moejax.weights import Experts, as_stacked
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.decode import union_of_experts
@@ -49,8 +50,14 @@ def decode_fits(num_rows: int, top_k: int) -> bool:
     return num_rows <= DECODE_MAX_ROWS and num_rows * top_k <= DECODE_MAX_SLOTS
 
 
-def decode_plan(experts: Experts, x: Array, slots: Slots, act: GatedActivation) -> Array:
-    """Routed output `[T, H]` float32 reading each selected expert once (see the module docstring)."""
+def decode_plan(
+    experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora: ExpertLoRA | None = None
+) -> Array:
+    """Routed output `[T, H]` float32 reading each selected expert once (see the module docstring).
+
+    With `lora`, union expert u's base weights are still read once; its rows get their own adapters' deltas
+    (`slots.adapter`, every adapter's A and B of u read once, `moejax.lora.expert_ffn`)."""
+    adapter = check_lora_slots(lora, slots)
     experts = as_stacked(experts)
     T, K = slots.indices.shape
     M = T * K
@@ -64,7 +71,8 @@ def decode_plan(experts: Experts, x: Array, slots: Slots, act: GatedActivation) 
 
     def one_union_expert(u: Array, outputs: Array) -> Array:
         rows = x if slots.in_scale is None else x * row_scale[u][:, None]
-        y = experts.expert(union_ids[u]).ffn(rows, act)  # [T, H]
+        e = union_ids[u]
+        y = expert_ffn(experts.expert(e), rows, act, None if lora is None else lora.expert(e), adapter)  # [T, H]
         return jax.lax.dynamic_update_index_in_dim(outputs, y, u, 0)
 
     outputs = jnp.zeros((M, T, x.shape[-1]), jnp.float32)  # [M, T, H]
@@ -83,13 +91,21 @@ def grouped_block_rows(num_pairs: int, num_experts: int) -> int:
 
 
 def grouped_plan(
-    experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows: int | None = None
+    experts: Experts,
+    x: Array,
+    slots: Slots,
+    act: GatedActivation,
+    *,
+    lora: ExpertLoRA | None = None,
+    block_rows: int | None = None,
 ) -> Array:
     """Routed output `[T, H]` float32 over pairs sorted by expert, in blocks (see the module docstring).
 
     An expert with n pairs gets `ceil(n / B)` blocks of B = `block_rows` rows (the last one padded): each
-    expert's weights are read `ceil(n / B)` times, and every expert call has B rows whatever the routing.
+    expert's weights are read `ceil(n / B)` times, and every expert call has B rows whatever the routing. With
+    `lora`, each block row gets the deltas of its pair's token's adapter (`slots.adapter`).
     """
+    adapter = check_lora_slots(lora, slots)
     experts = as_stacked(experts)
     T, K = slots.indices.shape
     E, H, M = experts.num_experts, x.shape[-1], T * K
@@ -115,7 +131,9 @@ def grouped_plan(
         xb = x[pair_token[rows]]  # [B, H]
         if pair_scale is not None:
             xb = xb * pair_scale[rows][:, None]
-        yb = experts.expert(block_expert[b]).ffn(xb, act)  # [B, H]
+        e = block_expert[b]
+        ids = None if adapter is None else adapter[pair_token[rows]]  # [B]
+        yb = expert_ffn(experts.expert(e), xb, act, None if lora is None else lora.expert(e), ids)  # [B, H]
         return jax.lax.dynamic_update_slice_in_dim(sorted_out, yb, row_start[b], 0)
 
     sorted_out = jnp.zeros((M + B, H), jnp.float32)  # B spare rows: a last block never clamps its start

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import MoEConfig, ScalingTarget, ScoreOrder, Scoring
+from moejax.lora import LoRAPair, add_delta, pair_delta
 from moejax.params import RouterParams
 
 Array = jax.Array
@@ -65,14 +66,23 @@ def policy_dtype(policy: str, x: Array) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if policy == "float32" else x.dtype
 
 
-def router_logits(router: RouterParams, x: Array, cfg: MoEConfig) -> Array:
+def router_logits(
+    router: RouterParams, x: Array, cfg: MoEConfig, lora: LoRAPair | None = None, adapter: Array | None = None
+) -> Array:
     """Router logits `[T, N]` float32: accumulated in float32, bias added, rounded once to `cfg.router_dtype`
-    (a bf16 Linear in the model dtype rounds its output once, after the bias)."""
+    (a bf16 Linear in the model dtype rounds its output once, after the bias).
+
+    `lora` (a stack's router target, `a [n+1, r, H]`) and `adapter [T]` (the rows' clamped ids): each row's
+    delta `s·(x·Aᵀ)·Bᵀ` (float32) is added to the float32 logits before the bias and the rounding, so before
+    scores, correction bias, groups and top-k; with Gemma-4's pre-norm, to the pre-normed router input (a LoRA on
+    the router's Linear)."""
     if cfg.router_prenorm:
         # Gemma-4: weightless RMSNorm, learned scale, and 1/sqrt(H) (a python float), in the input dtype.
         x = rms_normalize(x, cfg.rms_norm_eps) * router.scale.astype(x.dtype) * cfg.hidden_size**-0.5
     dtype = policy_dtype(cfg.router_dtype, x)
     logits = jnp.dot(x.astype(dtype), router.kernel.astype(dtype), preferred_element_type=jnp.float32)
+    if lora is not None:
+        logits = add_delta(logits, pair_delta(lora, x, adapter), adapter)
     if router.bias is not None:
         logits = logits + router.bias.astype(dtype).astype(jnp.float32)
     return round_to(logits, dtype)
@@ -153,13 +163,24 @@ def hash_indices(tid2eid: Array, token_ids: Array, cfg: MoEConfig) -> Array:
     return jnp.clip(tid2eid[rows].astype(jnp.int32), 0, cfg.num_selectable - 1)
 
 
-def route(params, x: Array, cfg: MoEConfig, token_ids: Array | None = None) -> Routing:
+def route(
+    params,
+    x: Array,
+    cfg: MoEConfig,
+    token_ids: Array | None = None,
+    *,
+    lora: LoRAPair | None = None,
+    adapter: Array | None = None,
+) -> Routing:
     """Route tokens `x [T, H]` (or `[..., H]`, flattened) to `cfg.top_k` experts each.
 
     Args:
       params: `MoEParams` (only `params.router` is read) or a `RouterParams`.
       x: `[..., H]` block input.
       token_ids: `[...]` integer token ids (an array or a list), required with hash routing, ignored otherwise.
+      lora: the router target of a LoRA stack (`LoRAParams.router`), or None; its delta is added to the logits
+        (`router_logits`), so it changes the selection.
+      adapter: `[...]` int32 adapter ids of the rows (in range: `moejax.lora.clamp_ids`), with `lora`.
     Returns:
       `Routing` with `indices [T, K] int32`, `weights [T, K] float32`, `logits [T, N] float32`, and
       `zero_weight [T]` when the config has zero-computation experts.
@@ -168,7 +189,11 @@ def route(params, x: Array, cfg: MoEConfig, token_ids: Array | None = None) -> R
     check_route_inputs(x, cfg, token_ids)
     router = params if isinstance(params, RouterParams) else params.router
     x = x.reshape(-1, x.shape[-1])
-    logits = router_logits(router, x, cfg)
+    if lora is not None:
+        if adapter is None:
+            raise ValueError("route: lora given without adapter (the rows' adapter ids)")
+        adapter = adapter.reshape(-1)
+    logits = router_logits(router, x, cfg, lora, adapter)
     K = cfg.top_k
     if cfg.score_order is ScoreOrder.AFTER_TOPK:
         selected_logits, indices = jax.lax.top_k(logits, K)
