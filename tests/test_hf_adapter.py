@@ -3,11 +3,12 @@
 Real data first: tests/fixtures/peft/<case>/ holds adapters written by peft 0.21 on tiny transformers 5 models
 (tests/fixtures/peft/make_fixtures.py), with the block's weights before and after peft's `merge_and_unload` and
 the block's outputs. Every adapter must give `base + ΔW == merged` on every weight of the block (targets the
-adapter lacks unchanged), and the block with `base + ΔW` must give torch's output with the adapter active.
+adapter lacks unchanged), and `moe_forward(..., lora=)` with it must give torch's output.
 Then synthetic adapter files written from the layout of docs/LORA.md for the error cases. No torch needed.
 """
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -56,6 +57,11 @@ def fold(params, adapter):
     return params
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
+def _forward(params, x, cfg, stack, ids, impl="reference"):
+    return moe_forward(params, x, cfg, impl=impl, lora=stack, adapter_ids=ids)
+
+
 def test_fixture_cases_present():
     assert {"qwen3_moe_all", "qwen3_moe_down", "qwen2_moe_shared", "gpt_oss", "llama4"} <= set(CASES)
 
@@ -81,23 +87,42 @@ def test_peft_fixture_delta_equals_merged(case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_peft_fixture_block_output(case):
-    """The block with ΔW folded into its weights gives torch's output with peft's merged weights, and with the
-    adapter active (unmerged) too, except where peft's unmerged forward skips a target (LongCat's router)."""
+    """`moe_forward(lora=, adapter_ids=)` with the loaded adapter gives torch's output with peft's merged weights,
+    and with the adapter active (unmerged) too, except where peft's unmerged forward skips a target (LongCat's
+    router); adapter id 0 gives the base block's output."""
     cfg, base, _, block = _case(case)
     if "x" not in block:
         pytest.skip(f"{case}: the fixture has no block output (Gemma-4's block is its whole decoder layer)")
     adapter = hf.load_adapter(os.path.join(FIXTURES, case), cfg, LAYER)
-    x = jnp.asarray(block["x"])
-    run = lambda a: np.asarray(moe_forward(jax.tree.map(jnp.asarray, fold(base, a)), x, cfg, impl="reference"))
-    got = run(adapter)
+    x, T = block["x"], block["x"].shape[0]
+    # one call: the adapter (id 1), no adapter (id 0), the adapter without its router (id 2)
+    stack = lora.stack([adapter, dataclasses.replace(adapter, router=None)])
+    ids = jnp.repeat(jnp.asarray([1, 0, 2], jnp.int32), T)
+    out = np.asarray(_forward(base, jnp.asarray(np.concatenate([x, x, x])), cfg, stack, ids))
+    got, got_base, got_no_router = out[:T], out[T : 2 * T], out[2 * T :]
     tol = lambda want: {"rtol": 1e-4, "atol": 1e-5 * np.abs(want).max()}
     assert np.abs(block["out.merged"] - block["out.base"]).max() > 100 * np.abs(got - block["out.merged"]).max()
     np.testing.assert_allclose(got, block["out.merged"], **tol(block["out.merged"]))
-    if case == "longcat_flash":
-        # LongcatFlashTopkRouter reads `classifier.weight` without calling the Linear, so peft's ParamWrapper (which
-        # applies the delta around the wrapped module's forward) leaves the router unadapted until merged.
-        got = run(dataclasses.replace(adapter, router=None))
-    np.testing.assert_allclose(got, block["out.adapter"], **tol(block["out.adapter"]))
+    np.testing.assert_allclose(got_base, block["out.base"], **tol(block["out.base"]))
+    # LongcatFlashTopkRouter reads `classifier.weight` without calling the Linear, so peft's ParamWrapper (which
+    # applies the delta around the wrapped module's forward) leaves the router unadapted until merged.
+    unmerged = got_no_router if case == "longcat_flash" else got
+    np.testing.assert_allclose(unmerged, block["out.adapter"], **tol(block["out.adapter"]))
+
+
+def test_peft_fixtures_mixed_batch():
+    """Two PEFT adapters of one base model in one batch (the xla plan): each row gets its adapter's output."""
+    cfg, base, _, block_all = _case("qwen3_moe_all")
+    _, base_down, _, block_down = _case("qwen3_moe_down")
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()), base, base_down))
+    adapters = [hf.load_adapter(os.path.join(FIXTURES, c), cfg, LAYER) for c in ("qwen3_moe_all", "qwen3_moe_down")]
+    x = jnp.asarray(block_all["x"])
+    ids = jnp.asarray([1, 2, 0, 2, 1], jnp.int32)
+    got = np.asarray(_forward(base, x, cfg, lora.stack(adapters), ids, impl="xla"))
+    want = np.stack(
+        [(block_all["out.base"], block_all["out.merged"], block_down["out.merged"])[i][r] for r, i in enumerate(ids)]
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
 def test_peft_layout_facts():
