@@ -322,15 +322,14 @@ class _Plan:
     def build(self, tensors: dict[str, np.ndarray], cfg: MoEConfig, config: AdapterConfig, names: _Names) -> LoRAParams:
         pairs: dict[str, LoRAPair] = {}
         if self.router is not None:
-            pattern_name = self.router + ".weight" if config.targets_parameter(self.router + ".weight") else self.router
-            pairs["router"] = _plain(tensors, self.router, pattern_name, cfg.hidden_size, cfg.num_selectable, config)
+            pairs["router"] = _plain(tensors, self.router, cfg.hidden_size, cfg.num_selectable, config)
         for projection, module in self.fused.items():
             pairs |= _fused(tensors, module, projection, cfg, config, names)
         if self.per_expert:
             pairs |= _per_expert(tensors, self.per_expert, cfg, config)
         for target, module in self.shared.items():
             n_in, n_out = _shared_shape(target, cfg)
-            pairs[f"shared.{target}"] = _plain(tensors, module, module, n_in, n_out, config)
+            pairs[f"shared.{target}"] = _plain(tensors, module, n_in, n_out, config)
         return from_pairs(pairs)
 
 
@@ -408,12 +407,14 @@ def _check(key: str, array: np.ndarray, expected: tuple[int, ...], what: str) ->
         raise ValueError(f"load_adapter: {key} has shape {array.shape}, expected {expected} ({what})")
 
 
-def _plain(
-    tensors: dict[str, np.ndarray], module: str, pattern_name: str, n_in: int, n_out: int, config: AdapterConfig
-) -> LoRAPair:
-    """A 2-D target (nn.Linear, or a 2-D parameter): A [r, in], B [out, r]."""
+def _plain(tensors: dict[str, np.ndarray], module: str, n_in: int, n_out: int, config: AdapterConfig) -> LoRAPair:
+    """A 2-D target (nn.Linear, or a 2-D parameter): A [r, in], B [out, r].
+
+    Its name for rank_pattern / alpha_pattern: `module.weight` when `target_parameters` names that parameter (a
+    ParamWrapper), else the module name (a lora.Linear)."""
     a, b = tensors[module + ".lora_A.weight"], tensors[module + ".lora_B.weight"]
-    r, alpha = config.rank_alpha(pattern_name)
+    weight = module + ".weight"
+    r, alpha = config.rank_alpha(weight if config.targets_parameter(weight) else module)
     _check(module + ".lora_A.weight", a, (r, n_in), f"[r, in] with r={r} from the adapter config")
     _check(module + ".lora_B.weight", b, (n_out, r), f"[out, r] with r={r}")
     return LoRAPair(jnp.asarray(a), jnp.asarray(b), jnp.float32(config.scale(r, alpha)))
@@ -487,7 +488,7 @@ def _per_expert(
             raise NotImplementedError(
                 f"load_adapter: the experts' {target} targets have different (r, alpha) {sorted(ranks)}"
             )
-        pairs = {e: _plain(tensors, m, m, *shapes[target], config) for e, m in present.items()}
+        pairs = {e: _plain(tensors, m, *shapes[target], config) for e, m in present.items()}
         first = next(iter(pairs.values()))
         zero_a, zero_b = np.zeros(first.a.shape, first.a.dtype), np.zeros(first.b.shape, first.b.dtype)
         a = jnp.stack([pairs[e].a if e in pairs else zero_a for e in range(E)])
@@ -510,8 +511,9 @@ def save_adapter(
 ) -> None:
     """Write one block's adapter as a PEFT adapter directory that `load_adapter` (and peft 0.21) reads.
 
-    The block's module names are the family's transformers-5 in-memory names; routed experts are written as
-    fused `target_parameters` (both tensors when any of gate / up / down is set, absent targets as zeros). gate
+    The block's module names are the family's transformers-5 in-memory names, and every target is a
+    `target_parameters` entry: the router's and the shared expert's 2-D weights, the routed experts' fused
+    gate_up_proj and down_proj (each written when one of its projections is set). gate
     and up become one gate_up_proj target: with the same A and scale it is shared (rank r), otherwise A is
     the concatenation `[A_gate; A_up]` and B block-diagonal (rank r_gate + r_up; peft's PeftConcatenate does the
     same), both exact. r and alpha per target go to `rank_pattern` / `alpha_pattern` (alpha = s·r, or s·√r).
@@ -532,7 +534,6 @@ def save_adapter(
     ranks: dict[str, int] = {}
     alphas: dict[str, float] = {}
     params: list[str] = []
-    modules: list[str] = []
 
     def put(module: str, pattern_name: str, a: np.ndarray, b: np.ndarray, r: int, scale: float) -> None:
         tensors[f"{PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(a)
@@ -572,8 +573,10 @@ def save_adapter(
                 module = names.prefix + _SHARED_GATE
             else:
                 module = names.prefix + names.layout.shared_prefix + spelling[target]
-            modules.append(module)
-            put(module, module, host(p.a), host(p.b), p.rank, float(p.scale))
+            # as a 2-D parameter: peft would take a module name ending in gate_proj / up_proj / down_proj for the
+            # routed experts' on the families it converts (docs/LORA.md)
+            params.append(module + ".weight")
+            put(module, module + ".weight", host(p.a), host(p.b), p.rank, float(p.scale))
     if not tensors:
         raise ValueError("save_adapter: the adapter has no targets")
     r_default = next(iter(ranks.values()))
@@ -584,7 +587,7 @@ def save_adapter(
         "use_rslora": use_rslora,
         "rank_pattern": ranks,
         "alpha_pattern": alphas,
-        "target_modules": modules,
+        "target_modules": [],
         "target_parameters": params,
         "lora_dropout": 0.0,
         "bias": "none",
