@@ -261,11 +261,8 @@ def load_adapter(
 
     layers = sorted({int(m.group(1)) for k in keys if (m := _LAYER_KEY.search(k))})
     if layer_idx not in layers:
-        note = (
-            f" (layers_to_transform={config.raw['layers_to_transform']})"
-            if config.raw.get("layers_to_transform")
-            else ""
-        )
+        only = config.raw.get("layers_to_transform")
+        note = f" (layers_to_transform={only})" if only is not None else ""
         raise ValueError(
             f"load_adapter: {adapter_dir} has no weights for layer {layer_idx}; it has layers {layers}{note}"
         )
