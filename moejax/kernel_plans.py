@@ -18,27 +18,62 @@ import jax.numpy as jnp
 import pallas_kernels
 from moejax.experts import Slots
 from moejax.plans import decode_fits
+from moejax.quantized import QuantizedExperts
 from moejax.weights import Experts, ExpertWeights
 from pallas_kernels.activations import GatedActivation
+from pallas_kernels.quantized_weights import QuantizedWeight
 
 Array = jax.Array
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_STEP = 64  # contraction elements per pipeline step of the kernels (bf16 tiles of 128-byte rows; 4-bit: 2x)
+
+
+def quantized_weights(kernel: str, experts: QuantizedExperts) -> tuple[QuantizedWeight, ...]:
+    """The stacked quantized projections as the kernels' `QuantizedWeight`s: the same arrays, no copy.
+
+    `NotImplementedError` for what the kernels do not read: per-expert layouts (stacked only), and int group
+    sizes that are neither a multiple nor a divisor of the kernels' contraction steps (64 elements, int4 128).
+    """
+    s = experts.scheme
+    if experts.gate_q.ndim != 3:
+        raise NotImplementedError(f"{kernel}: reads the stacked layout of {type(experts).__name__}")
+    kind = f"int{s.bits}" if s.kind == "int" else s.kind
+    out = []
+    for p in ("gate", "up", "down"):
+        w = QuantizedWeight(
+            getattr(experts, f"{p}_q"),
+            getattr(experts, f"{p}_scale"),
+            getattr(experts, f"{p}_zero"),
+            getattr(experts, f"{p}_scale2"),
+            kind=kind,
+        )
+        g, step = w.group, 2 * _STEP if w.packed else _STEP
+        if kind in ("int8", "int4") and g % step and step % g:
+            raise NotImplementedError(f"{kernel}: {s.name} groups of {g} do not tile the {step}-element steps")
+        out.append(w)
+    return tuple(out)
 
 
 def _kernel_args(kernel: str, experts: Experts, slots: Slots, act: GatedActivation) -> tuple[tuple, dict]:
-    if type(experts) is not ExpertWeights:
+    if isinstance(experts, QuantizedExperts):
+        weights = quantized_weights(kernel, experts)
+    elif type(experts) is ExpertWeights:
+        weights = (experts.gate, experts.up, experts.down)
+        dtypes = {jnp.dtype(w.dtype) for w in weights}
+        if len(dtypes) != 1 or not dtypes <= set(_KERNEL_DTYPES):
+            raise NotImplementedError(
+                f"{kernel}: weights must share one of bf16/f16/f32, got {sorted(map(str, dtypes))}"
+            )
+    else:
         raise NotImplementedError(
-            f"{kernel}: reads stacked dense ExpertWeights, got {type(experts).__name__} "
+            f"{kernel}: reads stacked ExpertWeights or QuantizedExperts, got {type(experts).__name__} "
             "(format or layout has no kernel)"
         )
     biases = (experts.gate_bias, experts.up_bias, experts.down_bias)
     if any(b is None for b in biases) and not all(b is None for b in biases):
         raise NotImplementedError(f"{kernel}: expert biases must be all of gate/up/down or none")
-    dtypes = {jnp.dtype(w.dtype) for w in (experts.gate, experts.up, experts.down)}
-    if len(dtypes) != 1 or not dtypes <= set(_KERNEL_DTYPES):
-        raise NotImplementedError(f"{kernel}: weights must share one of bf16/f16/f32, got {sorted(map(str, dtypes))}")
-    args = (experts.gate, experts.up, experts.down, slots.indices, slots.out_weight, slots.in_scale)
+    args = (*weights, slots.indices, slots.out_weight, slots.in_scale)
     kwargs = {
         "activation": act,
         "gate_bias": experts.gate_bias,
