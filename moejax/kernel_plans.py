@@ -4,6 +4,12 @@ Same contract as the XLA plans (`moejax.plans`): float32 `[T, H]` `Σ_k w_k · E
 (>= num_experts) contribute nothing, Llama-4's input scaling through `Slots.in_scale`. A config a kernel
 cannot serve raises `NotImplementedError`, so that `impl="auto"` falls back to the XLA plans.
 
+What the kernels read: dense stacked `ExpertWeights` (bf16/f16/f32), or stacked `QuantizedExperts` (int8/int4
+group-wise, FP8 128x128 blocks, MXFP4, NVFP4), passed as `pallas_kernels.QuantizedWeight`s over the very arrays
+moejax stores (codes, scales, zero points, NVFP4's scale2: no copy, no dequantization here). The kernels dequantize
+each pipeline step's tile in registers, after its TMA load into shared memory and before the bf16 wgmma
+(docs/FORMATS.md, "Kernels"); x and h are bf16 there.
+
 The kernels are called with `interpret=None`: the platform the program is lowered for decides, so a program
 lowered for CUDA holds the compiled kernels (also when lowered on a CPU-only host: ahead-of-time compilation,
 `jax.export`) and one lowered for CPU runs them under the Mosaic GPU interpreter (slow: for tests). See

@@ -18,6 +18,10 @@ that size may. The steps, all on device (no host round trip, one compiled progra
 4. Row t sums `w[t,k] · y[position of slot k, t]` over its own slots in slot order, so a row's output does not
    depend on its batch neighbours (batch invariance).
 
+Quantized weights (`QuantizedWeight`: int8/int4, FP8 blocks, MXFP4, NVFP4): the tile kernels stream each union
+expert's codes and scales instead of bf16 weights (a half or a quarter of the bytes) and dequantize every tile in
+registers to bf16 before the wgmma (expert_tiles.py); x and h are bf16.
+
 Routing weights applied on the input (Llama-4, `in_scale`) give each union expert its own scaled copy of the
 rows (a tile per union expert). The shared expert and zero-expert terms are the caller's (moejax adds them).
 """

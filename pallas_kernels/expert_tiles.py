@@ -24,6 +24,15 @@ per call and rounds to TF32 on a GPU), bf16/f16 are the fast path. GPU interpret
 (`InterpretGPUParams`, private API in jax 0.10/0.11, used only in `pallas_kernels.platform`) does not
 implement the transposed view, so under interpretation float32 runs the untransposed body (exact float32).
 
+Quantized weights (`QuantizedWeight`, quantized_weights.py: int8/int4, FP8 128x128 blocks, MXFP4, NVFP4) run
+`_gate_up_quant_kernel` / `_down_quant_kernel`: the same work items and epilogues, but each pipeline step stages
+the codes (uint8 / e4m3, 64 rows x 64 columns) and their scale rows in shared memory by TMA; the warpgroup loads
+the codes into registers, dequantizes them with float32 scales, rounds to bf16 and stores a bf16 tile to shared
+memory, which the wgmma reads with the bf16 activation tile (`_quantized_step`). 4-bit codes give two tiles (even
+and odd contraction elements), multiplied with the two halves of an activation block whose columns the wrapper
+reordered. The bf16 tiles are single-buffered: the decode of step k overlaps step k-1's wgmmas, the store waits
+for them (NVFP4, 8 scale rows a step: waits first, decodes one tile at a time, else it spills).
+
 `interpret=None` (the default of every public op) leaves the choice to the platform the program is lowered for:
 compiled for CUDA, interpreted for CPU (`pallas_kernels.platform`).
 """

@@ -16,6 +16,9 @@ Prefill is bound by arithmetic: pairs of the same expert are multiplied together
    runs `num_tiles · column blocks` work items, a device value: no program exists for an empty expert, and at
    most `ceil(T·K / 64) + min(E, T·K)` tiles exist at all.
 3. Each pair's row is gathered back and the slots of a token are summed with their weights in slot order.
+
+Quantized weights (`QuantizedWeight`: int8/int4, FP8 blocks, MXFP4, NVFP4) go through the same steps: the tile
+kernels read codes and scales and dequantize each tile in registers to bf16 before the wgmma (expert_tiles.py).
 """
 
 from __future__ import annotations
