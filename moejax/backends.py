@@ -12,10 +12,11 @@ candidates and takes the first that serves the call; when all fail, one error li
   "xla_decode"     union-of-experts decode over the stacked layout (T <= 8, T·K <= 64).
   "xla_grouped"    grouped plan over pairs sorted by expert, stacked layout (any T).
   "pallas_decode", "pallas_grouped"
-                   the Mosaic GPU kernels (`moejax.kernel_plans`), stacked dense weights; interpreted on CPU.
+                   the Mosaic GPU kernels (`moejax.kernel_plans`), stacked dense or quantized weights; interpreted
+                   on CPU.
 Families: "xla" (decode where it fits, else grouped), "cpu", "pallas" likewise.
-"auto": on a GPU, the kernels `pallas_kernels/validated.json` lists for it; then the CPU plans when the weights
-are per-expert; then the XLA plans.
+"auto": on a GPU, the kernels `pallas_kernels/validated.json` lists for it (and for the weight format: quantized
+kernels need their own rows); then the CPU plans when the weights are per-expert; then the XLA plans.
 """
 
 from __future__ import annotations
@@ -111,6 +112,16 @@ def kernel_validated(name: str) -> bool:
     return pallas_kernels.is_validated(_KERNELS[name], jax.devices()[0].device_kind, jax.__version__)
 
 
+def _auto_may_run(name: str, experts: Experts) -> bool:
+    """Under "auto": a kernel backend runs quantized experts only where validated.json lists that format too
+    (`kernel_validated` checked the dense kernel; the quantized kernel bodies are separate)."""
+    weights = kernel_plans.weights_name(experts)
+    if name not in _KERNELS or weights == "dense":
+        return True
+    device_kind = jax.devices()[0].device_kind
+    return pallas_kernels.is_validated(_KERNELS[name], device_kind, jax.__version__, weights=weights)
+
+
 def may_run_kernels(impl: str) -> bool:
     """Whether `impl` runs a Pallas kernel for some call size (on a CPU program: under the Mosaic GPU interpreter)."""
     if impl not in IMPLS:
@@ -144,6 +155,8 @@ def run_routed(
       NotImplementedError: no candidate serves it (the message lists each one's reason).
     """
     names = candidates(impl, *slots.indices.shape)
+    if impl == "auto":
+        names = [name for name in names if _auto_may_run(name, experts)]
     if len(names) == 1:
         return BACKENDS[names[0]].run(experts, x, slots, act, block_rows=block_rows)
     reasons = []
@@ -158,6 +171,8 @@ def run_routed(
 def resolve_impl(impl: str, experts: Experts, x: Array, slots: Slots, act: GatedActivation) -> str:
     """The backend `impl` would run for this call (traced abstractly, nothing computed; for tests and benchmarks)."""
     for name in candidates(impl, *slots.indices.shape):
+        if impl == "auto" and not _auto_may_run(name, experts):
+            continue
         try:
             jax.eval_shape(functools.partial(BACKENDS[name].run, act=act), experts, x, slots)
         except NotImplementedError:

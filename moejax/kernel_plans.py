@@ -35,6 +35,11 @@ _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp
 _STEP = 64  # contraction elements per pipeline step of the kernels (bf16 tiles of 128-byte rows; 4-bit: 2x)
 
 
+def weights_name(experts: Experts) -> str:
+    """The weight format as validated.json names it: "dense", or the quantized scheme's name ("int8_g128_sym")."""
+    return experts.scheme.name if isinstance(experts, QuantizedExperts) else "dense"
+
+
 def quantized_weights(kernel: str, experts: QuantizedExperts) -> tuple[QuantizedWeight, ...]:
     """The stacked quantized projections as the kernels' `QuantizedWeight`s: the same arrays, no copy.
 

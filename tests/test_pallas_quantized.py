@@ -7,6 +7,8 @@ Interpretation is slow (seconds per call): one small case per format, each exerc
 of int8 and FP8 at real sizes is in tests/test_cuda_compile.py.
 """
 
+import functools
+import json
 import re
 import types
 
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
 from moejax import kernel_plans
 from moejax.experts import Slots, reference_routed
 from moejax.quantized import format_by_name
@@ -139,3 +142,21 @@ def test_quantized_kernels_lower_for_cuda(name):
     assert [c for c in calls if c.startswith("mosaic_gpu")] == ["mosaic_gpu_v2"] * 2, calls
     assert "moe_gate_up_tiles" in text and "moe_down_tiles" in text
     assert not any("callback" in c for c in calls), calls
+
+
+def test_auto_needs_a_validation_of_the_quantized_kernels(monkeypatch, tmp_path):
+    """On a GPU where the dense kernels are validated, "auto" runs quantized experts on a kernel only when
+    validated.json has a row for that format too (the quantized kernel bodies are separate code)."""
+    from moejax import backends
+
+    experts = jax.eval_shape(
+        lambda k: format_by_name("fp8_block").init(experts_config(2, 64, 64), k), jax.random.key(0)
+    )
+    row = {"kernel": "moe_decode", "device_kind": jax.devices()[0].device_kind, "jax_version": jax.__version__}
+    is_validated = pallas_kernels.is_validated
+    for rows, quantized_ok in (([row], False), ([row, {**row, "weights": "fp8_block"}], True)):
+        table = tmp_path / f"validated{len(rows)}.json"
+        table.write_text(json.dumps(rows))
+        monkeypatch.setattr(pallas_kernels, "is_validated", functools.partial(is_validated, path=table))
+        assert backends._auto_may_run("pallas_decode", experts) is quantized_ok
+        assert backends._auto_may_run("xla_decode", experts)
