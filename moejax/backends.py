@@ -13,11 +13,12 @@ candidates and takes the first that serves the call; when all fail, one error li
   "xla_decode"     union-of-experts decode over the stacked layout (T <= 8, T·K <= 64).
   "xla_grouped"    grouped plan over pairs sorted by expert, stacked layout (any T).
   "pallas_decode", "pallas_grouped"
-                   the Mosaic GPU kernels (`moejax.kernel_plans`), stacked dense weights; interpreted on CPU.
+                   the Mosaic GPU kernels (`moejax.kernel_plans`), stacked dense or quantized weights; interpreted
+                   on CPU.
 Families: "xla" (decode where it fits, else grouped), "cpu", "pallas" likewise.
-"auto": on a GPU, the kernels `pallas_kernels/validated.json` lists for it; then the CPU plans when the weights
-are per-expert; then the XLA plans. The kernels do not apply adapters: with `lora` they raise and "auto" runs the
-XLA/CPU plans.
+"auto": on a GPU, the kernels `pallas_kernels/validated.json` lists for it (and for the weight format: quantized
+kernels need their own rows); then the CPU plans when the weights are per-expert; then the XLA plans. The kernels
+do not apply adapters: with `lora` they raise and "auto" runs the XLA/CPU plans.
 
 Gradients: `run_routed` wraps every backend but the reference in a `jax.custom_vjp` whose backward is the VJP of
 `reference_routed` (the plans' loops with device trip counts are not reverse-differentiable). Gradients w.r.t. x,
@@ -131,6 +132,16 @@ def kernel_validated(name: str) -> bool:
     return pallas_kernels.is_validated(_KERNELS[name], jax.devices()[0].device_kind, jax.__version__)
 
 
+def _auto_may_run(name: str, experts: Experts) -> bool:
+    """Under "auto": a kernel backend runs quantized experts only where validated.json lists that format too
+    (`kernel_validated` checked the dense kernel; the quantized kernel bodies are separate)."""
+    weights = kernel_plans.weights_name(experts)
+    if name not in _KERNELS or weights == "dense":
+        return True
+    device_kind = jax.devices()[0].device_kind
+    return pallas_kernels.is_validated(_KERNELS[name], device_kind, jax.__version__, weights=weights)
+
+
 def may_run_kernels(impl: str) -> bool:
     """Whether `impl` runs a Pallas kernel for some call size (on a CPU program: under the Mosaic GPU interpreter)."""
     if impl not in IMPLS:
@@ -174,6 +185,8 @@ def run_routed(
       NotImplementedError: no candidate serves it (the message lists each one's reason).
     """
     names = candidates(impl, *slots.indices.shape)
+    if impl == "auto":
+        names = [name for name in names if _auto_may_run(name, experts)]
     if names == ["reference"]:
         return _dispatch(impl, names, experts, x, slots, act, lora, block_rows)
 
@@ -209,6 +222,8 @@ def resolve_impl(
 ) -> str:
     """The backend `impl` would run for this call (traced abstractly, nothing computed; for tests and benchmarks)."""
     for name in candidates(impl, *slots.indices.shape):
+        if impl == "auto" and not _auto_may_run(name, experts):
+            continue
         try:
             run = functools.partial(BACKENDS[name].run, act=act)
             jax.eval_shape(lambda e, x, s, lo, run=run: run(e, x, s, lora=lo), experts, x, slots, lora)

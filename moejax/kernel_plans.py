@@ -4,6 +4,12 @@ Same contract as the XLA plans (`moejax.plans`): float32 `[T, H]` `Σ_k w_k · E
 (>= num_experts) contribute nothing, Llama-4's input scaling through `Slots.in_scale`. A config a kernel
 cannot serve raises `NotImplementedError`, so that `impl="auto"` falls back to the XLA plans.
 
+What the kernels read: dense stacked `ExpertWeights` (bf16/f16/f32), or stacked `QuantizedExperts` (int8/int4
+group-wise, FP8 128x128 blocks, MXFP4, NVFP4), passed as `pallas_kernels.QuantizedWeight`s over the very arrays
+moejax stores (codes, scales, zero points, NVFP4's scale2: no copy, no dequantization here). The kernels dequantize
+each pipeline step's tile in registers, after its TMA load into shared memory and before the bf16 wgmma
+(docs/FORMATS.md, "Kernels"); x and h are bf16 there.
+
 LoRA: the kernels do not apply adapters; with adapters (`lora=`) they raise `NotImplementedError` and
 impl='auto' runs the XLA plans (or the CPU plans on the per-expert layout).
 
@@ -21,29 +27,69 @@ import jax.numpy as jnp
 import pallas_kernels
 from moejax.experts import Slots
 from moejax.plans import decode_fits
+from moejax.quantized import QuantizedExperts
 from moejax.weights import Experts, ExpertWeights
 from pallas_kernels.activations import GatedActivation
+from pallas_kernels.quantized_weights import QuantizedWeight
 
 Array = jax.Array
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_STEP = 64  # contraction elements per pipeline step of the kernels (bf16 tiles of 128-byte rows; 4-bit: 2x)
+
+
+def weights_name(experts: Experts) -> str:
+    """The weight format as validated.json names it: "dense", or the quantized scheme's name ("int8_g128_sym")."""
+    return experts.scheme.name if isinstance(experts, QuantizedExperts) else "dense"
+
+
+def quantized_weights(kernel: str, experts: QuantizedExperts) -> tuple[QuantizedWeight, ...]:
+    """The stacked quantized projections as the kernels' `QuantizedWeight`s: the same arrays, no copy.
+
+    `NotImplementedError` for what the kernels do not read: per-expert layouts (stacked only), and int group
+    sizes that are neither a multiple nor a divisor of the kernels' contraction steps (64 elements, int4 128).
+    """
+    s = experts.scheme
+    if experts.gate_q.ndim != 3:
+        raise NotImplementedError(f"{kernel}: reads the stacked layout of {type(experts).__name__}")
+    kind = f"int{s.bits}" if s.kind == "int" else s.kind
+    out = []
+    for p in ("gate", "up", "down"):
+        w = QuantizedWeight(
+            getattr(experts, f"{p}_q"),
+            getattr(experts, f"{p}_scale"),
+            getattr(experts, f"{p}_zero"),
+            getattr(experts, f"{p}_scale2"),
+            kind=kind,
+        )
+        g, step = w.group, 2 * _STEP if w.packed else _STEP
+        if kind in ("int8", "int4") and g % step and step % g:
+            raise NotImplementedError(f"{kernel}: {s.name} groups of {g} do not tile the {step}-element steps")
+        out.append(w)
+    return tuple(out)
 
 
 def _kernel_args(kernel: str, experts: Experts, slots: Slots, act: GatedActivation, lora) -> tuple[tuple, dict]:
     if lora is not None:
         raise NotImplementedError(f"{kernel}: the kernels do not apply LoRA adapters")
-    if type(experts) is not ExpertWeights:
+    if isinstance(experts, QuantizedExperts):
+        weights = quantized_weights(kernel, experts)
+    elif type(experts) is ExpertWeights:
+        weights = (experts.gate, experts.up, experts.down)
+        dtypes = {jnp.dtype(w.dtype) for w in weights}
+        if len(dtypes) != 1 or not dtypes <= set(_KERNEL_DTYPES):
+            raise NotImplementedError(
+                f"{kernel}: weights must share one of bf16/f16/f32, got {sorted(map(str, dtypes))}"
+            )
+    else:
         raise NotImplementedError(
-            f"{kernel}: reads stacked dense ExpertWeights, got {type(experts).__name__} "
+            f"{kernel}: reads stacked ExpertWeights or QuantizedExperts, got {type(experts).__name__} "
             "(format or layout has no kernel)"
         )
     biases = (experts.gate_bias, experts.up_bias, experts.down_bias)
     if any(b is None for b in biases) and not all(b is None for b in biases):
         raise NotImplementedError(f"{kernel}: expert biases must be all of gate/up/down or none")
-    dtypes = {jnp.dtype(w.dtype) for w in (experts.gate, experts.up, experts.down)}
-    if len(dtypes) != 1 or not dtypes <= set(_KERNEL_DTYPES):
-        raise NotImplementedError(f"{kernel}: weights must share one of bf16/f16/f32, got {sorted(map(str, dtypes))}")
-    args = (experts.gate, experts.up, experts.down, slots.indices, slots.out_weight, slots.in_scale)
+    args = (*weights, slots.indices, slots.out_weight, slots.in_scale)
     kwargs = {
         "activation": act,
         "gate_bias": experts.gate_bias,

@@ -3,6 +3,9 @@
 * `moe_decode` (decode.py): union-of-experts decode, T <= 8 rows, every selected expert's weights read once.
 * `moe_grouped` (grouped.py): grouped prefill over pairs sorted by expert in block-aligned 64-row tiles.
 
+Weights are dense arrays or `QuantizedWeight`s (quantized_weights.py: int8/int4 group-wise, FP8 128x128 blocks,
+MXFP4, NVFP4 codes and scales, dequantized in registers to bf16 before each wgmma).
+
 Both run on Mosaic GPU (Hopper) through the tile kernels of expert_tiles.py, take plain arrays and static
 parameters (the gated activation as one `GatedActivation`), and never import moejax. With `interpret=None` (the
 default) a kernel is compiled where the program is lowered for CUDA and interpreted where it is lowered for CPU
@@ -21,6 +24,7 @@ from pallas_kernels.activations import GatedActivation
 from pallas_kernels.decode import DecodeBlockSizes, moe_decode, moe_decode_reference
 from pallas_kernels.expert_tiles import TileBlockSizes
 from pallas_kernels.grouped import GroupedBlockSizes, moe_grouped, moe_grouped_reference
+from pallas_kernels.quantized_weights import QuantizedWeight, dequantize_weight
 
 KERNELS = ("moe_decode", "moe_grouped")
 VALIDATED_PATH = Path(__file__).with_name("validated.json")
@@ -35,13 +39,20 @@ def validated_records(path: Path = VALIDATED_PATH) -> tuple[dict, ...]:
     return tuple(rows)
 
 
-def is_validated(kernel_name: str, device_kind: str, jax_version: str, path: Path = VALIDATED_PATH) -> bool:
+def is_validated(
+    kernel_name: str, device_kind: str, jax_version: str, path: Path = VALIDATED_PATH, *, weights: str = "dense"
+) -> bool:
     """Whether `kernel_name` was checked against its reference on `device_kind` (e.g. "NVIDIA H200") with
-    exactly this JAX version: a new JAX (a new Mosaic GPU compiler) or a new GPU needs a new check."""
+    exactly this JAX version: a new JAX (a new Mosaic GPU compiler) or a new GPU needs a new check. `weights`: the
+    weight format of the check, a row's `"weights"` field ("dense" when absent; quantized formats by name, e.g.
+    "int8_g128_sym", "fp8_block": each quantized kernel body needs its own check)."""
     if kernel_name not in KERNELS:
         raise ValueError(f"kernel_name={kernel_name!r} is not one of {KERNELS}")
     return any(
-        r.get("kernel") == kernel_name and r.get("device_kind") == device_kind and r.get("jax_version") == jax_version
+        r.get("kernel") == kernel_name
+        and r.get("device_kind") == device_kind
+        and r.get("jax_version") == jax_version
+        and r.get("weights", "dense") == weights
         for r in validated_records(Path(path))
     )
 
@@ -52,7 +63,9 @@ __all__ = [
     "DecodeBlockSizes",
     "GatedActivation",
     "GroupedBlockSizes",
+    "QuantizedWeight",
     "TileBlockSizes",
+    "dequantize_weight",
     "is_validated",
     "moe_decode",
     "moe_decode_reference",

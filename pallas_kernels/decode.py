@@ -18,6 +18,10 @@ that size may. The steps, all on device (no host round trip, one compiled progra
 4. Row t sums `w[t,k] · y[position of slot k, t]` over its own slots in slot order, so a row's output does not
    depend on its batch neighbours (batch invariance).
 
+Quantized weights (`QuantizedWeight`: int8/int4, FP8 blocks, MXFP4, NVFP4): the tile kernels stream each union
+expert's codes and scales instead of bf16 weights (a half or a quarter of the bytes) and dequantize every tile in
+registers to bf16 before the wgmma (expert_tiles.py); x and h are bf16.
+
 Routing weights applied on the input (Llama-4, `in_scale`) give each union expert its own scaled copy of the
 rows (a tile per union expert). The shared expert and zero-expert terms are the caller's (moejax adds them).
 """
@@ -37,11 +41,13 @@ from pallas_kernels.expert_tiles import (
     TileBlockSizes,
     check_moe_inputs,
     combine_slots,
+    compute_dtype,
     dense_reference,
     down_tiles,
     gate_up_tiles,
     pad_biases,
     pad_experts,
+    quantized_tile_options,
     require_activation,
     round_up,
 )
@@ -67,12 +73,16 @@ class DecodeBlockSizes:
                 raise ValueError(f"DecodeBlockSizes.{name} must be a TileBlockSizes, got {getattr(self, name)!r}")
 
     @classmethod
-    def default(cls, hidden: int, inter: int, dtype: Any, *, interpret: bool = False) -> DecodeBlockSizes:
+    def default(
+        cls, hidden: int, inter: int, dtype: Any, *, interpret: bool = False, weight_kind: str | None = None
+    ) -> DecodeBlockSizes:
         """64 intermediate columns per gate/up item (at T=1 only 8 experts are live: narrow items keep more
-        SMs streaming), 128 (or 64) hidden columns per down item."""
+        SMs streaming), 128 (or 64) hidden columns per down item; `weight_kind` (a `QuantizedWeight.kind`, None for
+        dense weights): `quantized_tile_options`."""
+        opts = quantized_tile_options(weight_kind)
         return cls(
-            gate_up=TileBlockSizes.default(inter, hidden, dtype, interpret=interpret, block_n=64),
-            down=TileBlockSizes.default(hidden, inter, dtype, interpret=interpret),
+            gate_up=TileBlockSizes.default(inter, hidden, dtype, interpret=interpret, **{**opts, "block_n": 64}),
+            down=TileBlockSizes.default(hidden, inter, dtype, interpret=interpret, **opts),
         )
 
 
@@ -117,7 +127,9 @@ def moe_decode(
 
     Args:
       x: `[T, H]` rows, T <= 8 and T·K <= 64 (cast to the weight dtype for the matmuls).
-      gate, up: `[E, H, I]`; down: `[E, I, H]`, one of bf16 (fast path), f16, f32 (TF32 on a GPU).
+      gate, up: `[E, H, I]`; down: `[E, I, H]`, one of bf16 (fast path), f16, f32 (TF32 on a GPU), or all three
+        `QuantizedWeight`s of one kind (int8/int4/fp8_block/mxfp4/nvfp4: the kernels read the codes and scales and
+        dequantize each step's tile in registers to bf16; x and h are then bf16).
       indices: `[T, K]` int expert ids; ids outside [0, E) contribute nothing.
       weights: `[T, K]` output weight of each slot. in_scale: `[T, K]` input scale of each slot, or None.
       activation: the gated activation `h = act(gate, up)` (`GatedActivation`: SwiGLU by default).
@@ -138,8 +150,10 @@ def moe_decode(
     K = indices.shape[1]
     if T > MAX_ROWS or T * K > MAX_SLOTS:
         raise ValueError(f"moe_decode serves T <= {MAX_ROWS} rows and T·K <= {MAX_SLOTS} slots, got T={T}, K={K}")
-    dtype = gate.dtype
-    bs = block_sizes or DecodeBlockSizes.default(H, I, dtype, interpret=interpret)
+    dtype = compute_dtype(gate)  # bf16 for quantized weights
+    bs = block_sizes or DecodeBlockSizes.default(
+        H, I, dtype, interpret=interpret, weight_kind=getattr(gate, "kind", None)
+    )
     hidden = round_up(H, math.lcm(bs.gate_up.block_k, bs.down.block_n))
     inter = round_up(I, math.lcm(bs.gate_up.block_n, bs.down.block_k))
     M = T * K

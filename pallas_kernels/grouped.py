@@ -16,6 +16,9 @@ Prefill is bound by arithmetic: pairs of the same expert are multiplied together
    runs `num_tiles · column blocks` work items, a device value: no program exists for an empty expert, and at
    most `ceil(T·K / 64) + min(E, T·K)` tiles exist at all.
 3. Each pair's row is gathered back and the slots of a token are summed with their weights in slot order.
+
+Quantized weights (`QuantizedWeight`: int8/int4, FP8 blocks, MXFP4, NVFP4) go through the same steps: the tile
+kernels read codes and scales and dequantize each tile in registers to bf16 before the wgmma (expert_tiles.py).
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ from pallas_kernels.expert_tiles import (
     TileBlockSizes,
     check_moe_inputs,
     combine_slots,
+    compute_dtype,
     dense_reference,
     down_tiles,
     gate_up_tiles,
     pad_biases,
     pad_experts,
+    quantized_tile_options,
     require_activation,
     round_up,
 )
@@ -59,11 +64,15 @@ class GroupedBlockSizes:
                 raise ValueError(f"GroupedBlockSizes.{name} must be a TileBlockSizes, got {getattr(self, name)!r}")
 
     @classmethod
-    def default(cls, hidden: int, inter: int, dtype: Any, *, interpret: bool = False) -> GroupedBlockSizes:
-        """The largest of 128/64 columns dividing I (gate/up) and H (down); 128-byte contraction rows."""
+    def default(
+        cls, hidden: int, inter: int, dtype: Any, *, interpret: bool = False, weight_kind: str | None = None
+    ) -> GroupedBlockSizes:
+        """The largest of 128/64 columns dividing I (gate/up) and H (down); 128-byte contraction rows;
+        `weight_kind` (a `QuantizedWeight.kind`, None for dense weights): `quantized_tile_options`."""
+        opts = quantized_tile_options(weight_kind)
         return cls(
-            gate_up=TileBlockSizes.default(inter, hidden, dtype, interpret=interpret),
-            down=TileBlockSizes.default(hidden, inter, dtype, interpret=interpret),
+            gate_up=TileBlockSizes.default(inter, hidden, dtype, interpret=interpret, **opts),
+            down=TileBlockSizes.default(hidden, inter, dtype, interpret=interpret, **opts),
         )
 
 
@@ -125,7 +134,9 @@ def moe_grouped(
 
     Args:
       x: `[T, H]` rows (cast to the weight dtype for the matmuls).
-      gate, up: `[E, H, I]`; down: `[E, I, H]`, one of bf16 (fast path), f16, f32 (TF32 on a GPU).
+      gate, up: `[E, H, I]`; down: `[E, I, H]`, one of bf16 (fast path), f16, f32 (TF32 on a GPU), or all three
+        `QuantizedWeight`s of one kind (int8/int4/fp8_block/mxfp4/nvfp4: the kernels read the codes and scales and
+        dequantize each step's tile in registers to bf16; x and h are then bf16).
       indices: `[T, K]` int expert ids; ids outside [0, E) contribute nothing.
       weights: `[T, K]` output weight of each slot. in_scale: `[T, K]` input scale of each slot, or None.
       activation: the gated activation `h = act(gate, up)` (`GatedActivation`: SwiGLU by default).
@@ -144,8 +155,10 @@ def moe_grouped(
     T, H = x.shape
     E, _, I = gate.shape
     K = indices.shape[1]
-    dtype = gate.dtype
-    bs = block_sizes or GroupedBlockSizes.default(H, I, dtype, interpret=interpret)
+    dtype = compute_dtype(gate)  # bf16 for quantized weights
+    bs = block_sizes or GroupedBlockSizes.default(
+        H, I, dtype, interpret=interpret, weight_kind=getattr(gate, "kind", None)
+    )
     hidden = round_up(H, math.lcm(bs.gate_up.block_k, bs.down.block_n))
     inter = round_up(I, math.lcm(bs.gate_up.block_n, bs.down.block_k))
     M = T * K

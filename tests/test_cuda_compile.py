@@ -32,7 +32,8 @@ from pathlib import Path
 
 import pytest
 
-# label: (layer, T, dtype). Layers: moejax.bench.MODEL_LAYERS, and gpt-oss-120b from test_pallas_lowering.VARIANTS.
+# label: (layer, T, dtype[, quantized format]). Layers: moejax.bench.MODEL_LAYERS, and gpt-oss-120b from
+# test_pallas_lowering.VARIANTS.
 # Decode T <= 8 runs the union-of-experts decode kernels, larger T the grouped prefill kernels.
 CASES = {
     "qwen3-T1": ("qwen3-30b-a3b", 1, "bfloat16"),
@@ -46,6 +47,17 @@ CASES = {
     # float32 weights: TF32 wgmma over transposed weights.
     "qwen3-T4-f32": ("qwen3-30b-a3b", 4, "float32"),
     "qwen3-T2048-f32": ("qwen3-30b-a3b", 2048, "float32"),
+    # Quantized weights (moejax.quantized formats, a 4th field): codes and scales dequantized in registers.
+    "qwen3-T1-int8": ("qwen3-30b-a3b", 1, "bfloat16", "int8"),
+    "qwen3-T2048-int8": ("qwen3-30b-a3b", 2048, "bfloat16", "int8"),
+    "qwen3-T1-fp8": ("qwen3-30b-a3b", 1, "bfloat16", "fp8_block"),
+    "qwen3-T2048-fp8": ("qwen3-30b-a3b", 2048, "bfloat16", "fp8_block"),
+}
+# By hand only (`python tests/test_cuda_compile.py --out r.json qwen3-T1-int4 ...`): the suite has no time for them.
+EXTRA_CASES = {
+    f"qwen3-T{T}-{name}": ("qwen3-30b-a3b", T, "bfloat16", name)
+    for name in ("int4", "mxfp4", "nvfp4")
+    for T in (1, 2048)
 }
 BROKEN = "broken-gate_up-bn256"  # compile_broken below
 _TIMEOUT_S = 420
@@ -270,7 +282,8 @@ def _layer(name: str):
     raise KeyError(name)
 
 
-def compile_case(layer: str, T: int, dtype: str, topology, launches: list[dict]) -> dict:
+def compile_case(layer: str, T: int, dtype: str, *rest) -> dict:
+    *fmt_name, topology, launches = rest
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies
@@ -281,7 +294,10 @@ def compile_case(layer: str, T: int, dtype: str, topology, launches: list[dict])
     cfg = _layer(layer)
     sharding = NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), PartitionSpec())
     dtype = getattr(jnp, dtype)
-    params = jax.eval_shape(lambda k: moejax.init_params(cfg, k, dtype, layout="stacked"), jax.random.key(0))
+    from moejax.quantized import format_by_name
+
+    fmt = format_by_name(fmt_name[0]) if fmt_name else moejax.ExpertWeights
+    params = jax.eval_shape(lambda k: moejax.init_params(cfg, k, dtype, fmt=fmt, layout="stacked"), jax.random.key(0))
     x = jax.ShapeDtypeStruct((T, cfg.hidden_size), dtype)
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), (params, x))
     del launches[:]
@@ -322,9 +338,9 @@ def compile_broken(topology, launches: list[dict]) -> dict:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description="compile Mosaic GPU kernels for sm_90a (run by the test)")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("cases", nargs="*", help=f"of {[*CASES, BROKEN]}; default: all")
+    ap.add_argument("cases", nargs="*", help=f"of {[*CASES, *EXTRA_CASES, BROKEN]}; default: all but the extra")
     opts = ap.parse_args(argv)
-    if unknown := set(opts.cases) - {*CASES, BROKEN}:
+    if unknown := set(opts.cases) - {*CASES, *EXTRA_CASES, BROKEN}:
         ap.error(f"unknown cases {sorted(unknown)}")
     os.environ.update(_compile_env())  # also when run by hand; before jax is imported
     os.environ.pop("XLA_FLAGS", None)
@@ -339,7 +355,7 @@ def main(argv: list[str]) -> int:
             if label == BROKEN:
                 results[label] = compile_broken(topology, launches)
             else:
-                results[label] = compile_case(*CASES[label], topology, launches)
+                results[label] = compile_case(*{**CASES, **EXTRA_CASES}[label], topology, launches)
         except Exception as err:  # a kernel that does not compile: report it per case, go on with the others
             results[label] = {"error": f"{type(err).__name__}: {str(err)[-3000:]}", "kernels": [], "mosaic_calls": 0}
         print(label, json.dumps(results[label]), flush=True)
