@@ -657,6 +657,7 @@ def communication_bytes(
     tensor_size: int = 1,
     dtype: jnp.dtype = jnp.float32,
     capacity_factor: float = CAPACITY_FACTOR,
+    adapters: bool = False,
 ) -> dict[str, int]:
     """Bytes one device sends per `moe_forward_ep` call, from the shapes (the static buffers, whatever the routing).
 
@@ -664,7 +665,8 @@ def communication_bytes(
     sends `(n-1)/n` of its buffer (the block for the device itself stays). Inputs are taken as already placed
     (replicated for "replicated", split for "all_to_all"). "all_to_all" is counted for one round, which holds the
     load of uniform routing times `capacity_factor` (`all_to_all_capacity`); a call whose routing overflows a
-    block runs more rounds, each sending as much again.
+    block runs more rounds, each sending as much again. With `adapters` (a call with LoRA), each "all_to_all" row
+    carries its int32 adapter id too.
 
     Returns:
       {"dispatch": tokens and slot metadata sent, "combine": partial results sent back, "reduce": psums, "total"}.
@@ -683,7 +685,8 @@ def communication_bytes(
         rows_per_block, _ = all_to_all_capacity(cfg, num_tokens, n, capacity_factor)
         sent_rows = (n - 1) * rows_per_block  # [n, rows] minus this device's own block
         sizes = {
-            "dispatch": sent_rows * (H * itemsize + 2 * K * 4),  # token row + int32 ids and weights per slot
+            # token row + int32 ids and weights per slot (+ the row's adapter id)
+            "dispatch": sent_rows * (H * itemsize + (2 * K + adapters) * 4),
             "combine": sent_rows * H * f32,
             "reduce": (1 + shared) * all_reduce(tp, -(-num_tokens // n) * H * f32),
         }
