@@ -41,11 +41,23 @@ never tokens or memory. Only the rows a token needs are filled, compacted at the
 all-to-all (`jax.lax.ragged_all_to_all`, GPU only) could later send just those rows; on CPU the static blocks move
 whole.
 
-Expert placement (`placement=`, a `moejax.placement.Placement`; optional in `shard_params` and `moe_forward_ep`):
-the experts are laid out by physical slot instead, `[S, ...]` (hot experts replicated; device d holds slots
-`[d·S/n, (d+1)·S/n)`; E need not divide by n), and right after routing, in either mode, each (token, slot) pair's
-logical expert is replaced by one of its replicas (`Placement.physical_ids`: replica `t mod count` for the
-token's global row t). Everything after runs unchanged on slot ids. Each pair meets the same expert weights with
+LoRA adapters (`lora=` a `moejax.lora.stack`, `adapter_ids=` one id per row): the adapters of an expert live with
+that expert. `shard_lora` splits the routed experts' adapter arrays `[n+1, E, r, in|out]` over the expert axis on E
+like the weights (`lora_specs`), so each device holds its experts' adapters of every id, and a plan applies the
+deltas of its local pairs. The router's adapters are replicated (every device routes the tokens it holds, with their
+ids). Under a tensor axis the intermediate axis is split where the weights split it: B of gate/up (their output) and
+A of down (its input), for the routed experts and for the shared expert; the down delta of an I slice,
+`s·(h_slice·A_sliceᵀ)·Bᵀ`, is a partial sum that the psum reducing the base projection completes. The shared
+expert's sigmoid gate adapter is replicated (its logit `[T, 1]` multiplies every partial). In "replicated" mode
+every device holds every row's id; in "all_to_all" mode the ids are split with the tokens and each dispatched row
+carries its id beside its slots' ids and weights (one more int32 column). Out-of-range ids count as 0 (no
+adapter), as in `moe_forward`.
+
+Expert placement (`placement=`, a `moejax.placement.Placement`; optional in `shard_params`, `shard_lora` and
+`moe_forward_ep`): the experts are laid out by physical slot instead, `[S, ...]` (hot experts replicated; device d
+holds slots `[d·S/n, (d+1)·S/n)`; E need not divide by n), and right after routing, in either mode, each (token,
+slot) pair's logical expert is replaced by one of its replicas (`Placement.physical_ids`: replica `t mod count` for
+the token's global row t). Everything after runs unchanged on slot ids. Each pair meets the same expert weights with
 the same routing weight, so the result equals the unplaced forward up to the order in which a token's per-device
 partial sums are added (its slots fall on other devices).
 """
