@@ -18,6 +18,7 @@ from multihost_worker import numpy_params
 import moejax
 from moejax import parallel
 from moejax.lora import ExpertLoRA, LoRAPair, LoRAParams, SharedLoRA, stack
+from moejax.placement import balance
 
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 TOL = {"rtol": 2e-5, "atol": 2e-5}
@@ -110,3 +111,21 @@ def test_adapter_checks_name_the_argument():
         ep(params, xd, lora=lora, adapter_ids=ids_d[:3])
     with pytest.raises(ValueError, match="lora"):
         ep(params, xd, adapter_ids=ids_d)
+
+
+def test_adapters_follow_a_placement():
+    """With hot experts replicated (`placement`), each slot holds its expert's adapters: same output as one device."""
+    (params, lora, xd, _, ids_d, _), (ref_d, _) = _case(8, 7)
+    n = 2
+    mesh = Mesh(np.array(jax.devices()[:n]), ("expert",))
+    load = np.arange(CFG.num_experts, dtype=np.float64) ** 2
+    placement = balance(load, num_devices=n, num_slots=CFG.num_experts + 2 * n)
+    placed = parallel.shard_lora(lora, CFG, mesh, placement=placement)
+    np.testing.assert_array_equal(placed.experts.up.b, lora.experts.up.b[:, np.asarray(placement.slot_expert)])
+    with pytest.raises(ValueError, match="num_slots"):
+        parallel.moe_forward_ep(params, xd, CFG, mesh=mesh, placement=placement, lora=lora, adapter_ids=ids_d)
+    run = jax.jit(
+        functools.partial(parallel.moe_forward_ep, cfg=CFG, mesh=mesh, placement=placement), compiler_options=FAST
+    )
+    sharded = parallel.shard_params(params, CFG, mesh, placement=placement)
+    np.testing.assert_allclose(run(sharded, xd, lora=placed, adapter_ids=ids_d), ref_d, **TOL)
