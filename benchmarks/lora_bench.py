@@ -2,6 +2,7 @@
 
     JAX_PLATFORMS=cpu python benchmarks/lora_bench.py [--layer qwen3-30b-a3b] [--rank 16] [--adapters 4]
         [--decode 1 2 4 8] [--prefill 512] [--repeats 20] [--json out.json]
+        [--targets router experts.gate ...] [--num-experts 16]
 
 float32 weights in the default layout (per-expert on CPU), `impl="auto"`. The adapter stack holds `--adapters`
 random adapters of rank `--rank` on the router, the routed experts' gate/up/down and, where the family has one, the
@@ -10,6 +11,10 @@ of T >= n rows mixes all n adapters (T = 1 has one, T = 2 two). Both programs ar
 interleave base and LoRA steps with a fresh x each round, so the load of a shared CPU falls on both alike. The
 ratio is that of the minimum step times (a noisy machine inflates the median, not the minimum); the median is
 printed beside it. Targets (issue 10): decode <= 1.15x, prefill <= 1.2x.
+
+Where the time goes: `--targets` keeps only some adapter targets (e.g. `router`, or `experts.gate`), and
+`--num-experts` shrinks E (same H, I, K: the union per step is the same, and the LoRA program compiles in seconds
+instead of minutes).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import numpy as np
 import moejax
 from moejax.bench import MODEL_LAYERS
 from moejax.config import SharedExpert
-from moejax.lora import ExpertLoRA, LoRAPair, LoRAParams, SharedLoRA, stack
+from moejax.lora import ExpertLoRA, LoRAPair, LoRAParams, SharedLoRA, from_pairs, stack
 
 TARGETS = {"decode": 1.15, "prefill": 1.2}
 
@@ -89,14 +94,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed rounds per case (decode)")
     parser.add_argument("--prefill-repeats", type=int, default=5, help="timed rounds per case (prefill)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--targets", nargs="*", help="adapter targets to keep (LoRAParams.pairs names); default all")
+    parser.add_argument("--num-experts", type=int, help="override E of the layer (profiling)")
     args = parser.parse_args()
     cfg = MODEL_LAYERS[args.layer]
+    if args.num_experts:
+        cfg = cfg.replace(num_experts=args.num_experts)
     rng = np.random.default_rng(0)
     params = moejax.init_params(cfg, jax.random.key(0), jnp.float32)
     lora = stack([random_adapter(cfg, args.rank, rng) for _ in range(args.adapters)])
+    if args.targets:
+        lora = from_pairs({name: pair for name, pair in lora.pairs().items() if name in args.targets})
     targets = ", ".join(lora.pairs())
     print(
-        f"{args.layer}: H={cfg.hidden_size} E={cfg.num_experts} K={cfg.top_k} I={cfg.intermediate_size} float32, "
+        f"{args.layer}{' (E overridden)' if args.num_experts else ''}: "
+        f"H={cfg.hidden_size} E={cfg.num_experts} K={cfg.top_k} I={cfg.intermediate_size} float32, "
         f"{args.adapters} adapters of rank {args.rank} on {targets}; {jax.devices()[0].platform}"
     )
     cases = [("decode", T, args.repeats) for T in args.decode] + [
@@ -119,6 +131,7 @@ def main() -> None:
     if args.json:
         meta = {
             "layer": args.layer,
+            "num_experts": cfg.num_experts,
             "rank": args.rank,
             "adapters": args.adapters,
             "targets": list(lora.pairs()),
