@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import moejax
 from moejax.experts import Slots, expert_activation
 from moejax.lora import LoRAPair, _target_shapes, from_pairs, merge, stack, unmerge
+from moejax.weights import as_stacked
 
 PLANS = ("xla_decode", "xla_grouped", "cpu_decode", "cpu_grouped")
 CFG = moejax.MoEConfig.preset(
@@ -103,6 +104,8 @@ def test_per_adapter_equals_reference_on_merged_weights():
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
         one = forward(merge(params, ADAPTERS[i - 1]), x, CFG, None, "reference")  # a single adapter merges too
         np.testing.assert_allclose(one, want, rtol=1e-6, atol=1e-6)
+    per_expert = merge(_inputs("per_expert")[0], LORA, 2)  # the per-expert layout merges the same
+    np.testing.assert_allclose(as_stacked(per_expert.experts).down, merge(params, LORA, 2).experts.down)
     back = unmerge(merge(params, LORA, 1), LORA, 1)
     for w, w0 in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
         np.testing.assert_allclose(w, w0, rtol=1e-5, atol=1e-5)
@@ -171,6 +174,7 @@ def test_kernels_refuse_adapters():
     slots = Slots(jnp.zeros((T, 2), jnp.int32), jnp.ones((T, 2)), None, IDS)
     with pytest.raises(NotImplementedError, match="LoRA"):
         moejax.kernel_plans.pallas_decode(params.experts, x, slots, expert_activation(CFG), lora=LORA.experts)
+    assert moejax.forward.chosen_impl(params, x, CFG, impl="auto", lora=LORA) == "xla_decode"
 
 
 def test_errors_name_what_is_wrong():
