@@ -12,7 +12,7 @@ from moejax.config import (
     SharedExpert,
 )
 from moejax.forward import IMPLS, checked_moe_forward, moe_forward
-from moejax.layer import MoE
+from moejax.layer import LoRAParam, MoE
 from moejax.lora import LoRAParams
 from moejax.params import ExpertWeights, MoEParams, RouterParams, SharedParams, init_params
 from moejax.quantized import dequantize, quantize
@@ -25,6 +25,7 @@ __all__ = [
     "Activation",
     "ClampOrder",
     "ExpertWeights",
+    "LoRAParam",
     "LoRAParams",
     "MoE",
     "MoEConfig",

@@ -36,7 +36,7 @@ import jax
 
 import pallas_kernels
 from moejax import kernel_plans
-from moejax.experts import Slots, reference_routed
+from moejax.experts import Slots, check_lora_slots, reference_routed
 from moejax.lora import ExpertLoRA, expert_ffn
 from moejax.plans import decode_fits, decode_plan, grouped_plan
 from moejax.weights import Experts, PerExpert
@@ -79,7 +79,6 @@ def _cpu(plan_name: str) -> RoutedFn:
                 "the CPU plans read the per-expert layout (moejax.weights.to_layout(experts, 'per_expert'))"
             )
         from moejax import cpu_plans  # TODO(integration): module-level import
-        from moejax.experts import check_lora_slots
 
         plan = getattr(cpu_plans, plan_name)
         adapter = check_lora_slots(lora, slots)

@@ -268,7 +268,9 @@ def moe_forward_with_checks(
         n = lora.num_ids - 1
         in_range = (adapter_ids >= 0) & (adapter_ids <= n)
         checkify.check(jnp.all(in_range), f"moejax: adapter_ids outside [0, {n}] (the stack's adapters, 0 = none)")
-    logits = router_logits(params.router, x.reshape(-1, cfg.hidden_size), cfg)
+    router_lora = None if lora is None else lora.router
+    adapter = None if lora is None else clamp_ids(adapter_ids, lora.num_ids).reshape(-1)
+    logits = router_logits(params.router, x.reshape(-1, cfg.hidden_size), cfg, router_lora, adapter)
     checkify.check(jnp.all(jnp.isfinite(logits)), "moejax: non-finite router logits")
     if cfg.hash_routing:
         in_range = (token_ids >= 0) & (token_ids < cfg.vocab_size)

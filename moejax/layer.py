@@ -12,6 +12,13 @@ a jitted `init_params` with those output shardings lets each device compute only
 has the expert axis, a call runs `moejax.parallel.moe_forward_ep`, with the experts laid out by a
 `moejax.placement.Placement` when one is given (`MoE(..., mesh=mesh, placement=placement)`).
 
+LoRA adapters (`moejax.lora`): `MoE(cfg, ..., lora=stack)` or `layer.set_lora(stack)` holds an adapter stack
+(`moejax.lora.stack`, ids 1..n) as `LoRAParam` variables, `layer.lora.<target>.a` / `.b` (targets as
+`LoRAParams.pairs` names them: `router`, `experts.gate`, `shared.down`, ...; the scales alpha/r are `MoEBuffer`s);
+`layer(x, adapter_ids=ids)` applies each row's adapter. `nnx.Optimizer(layer, tx, wrt=moejax.LoRAParam)` trains
+the adapters only (`nnx.Param` does not match them, so an optimizer over the base weights leaves them alone).
+Under a mesh the stack is placed by `moejax.parallel.shard_lora` (each expert's adapters with the expert).
+
 Routing statistics (`moejax.stats.MoEStats`): `layer(x, return_stats=True)` returns them with the output; with
 `collect_stats=True` every call adds them to the layer's `stats` variable (`MoEStatsVariable`, not a parameter),
 so under `nnx.jit` and inside jitted loops (`nnx.fori_loop`, `nnx.scan`) they accumulate on device over steps.
@@ -29,6 +36,7 @@ from flax import nnx
 from moejax import parallel
 from moejax.config import MoEConfig
 from moejax.forward import IMPLS, moe_forward
+from moejax.lora import LoRAPair, LoRAParams, check_lora, from_pairs
 from moejax.params import BUFFERS, MoEParams, check_params, flatten, init_params, specs_of, unflatten
 from moejax.placement import Placement
 from moejax.stats import MoEStats
@@ -39,6 +47,11 @@ Array = jax.Array
 
 class MoEBuffer(nnx.Variable):
     """A non-trainable array of the layer (correction bias, token-id table)."""
+
+
+class LoRAParam(nnx.Variable):
+    """A LoRA adapter array of the layer (A or B of one target, a stack `[n+1, ...]`): trainable, but not an
+    `nnx.Param`, so optimizers choose between the base weights and the adapters by variable type."""
 
 
 class MoEStatsVariable(nnx.Variable):
@@ -68,9 +81,11 @@ class MoE(nnx.Module):
         `moe_forward_ep`. The initial random weights are drawn with the experts replicated over the expert axis,
         then laid out by slot.
       collect_stats: add every call's `MoEStats` to `self.stats` (a `MoEStatsVariable`, starting from zeros).
+      lora: optional adapter stack (`moejax.lora.stack`), as `set_lora` takes it.
 
-    `layer(x, token_ids=None, *, return_stats=False)` maps `x [..., H]` to `[..., H]` in x's dtype (and the
-    call's `MoEStats` with `return_stats=True`); works under `nnx.jit`.
+    `layer(x, token_ids=None, *, adapter_ids=None, return_stats=False)` maps `x [..., H]` to `[..., H]` in x's
+    dtype (and the call's `MoEStats` with `return_stats=True`); `adapter_ids [...]` int32 picks each row's adapter
+    of the layer's stack (0: none); works under `nnx.jit`.
     """
 
     def __init__(
@@ -88,6 +103,7 @@ class MoE(nnx.Module):
         layout: Layout = "auto",
         placement: Placement | None = None,
         collect_stats: bool = False,
+        lora: LoRAParams | None = None,
     ):
         if layout not in LAYOUTS:
             raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
@@ -107,6 +123,7 @@ class MoE(nnx.Module):
         self.layout = "stacked" if mesh is not None else (default_layout() if layout == "auto" else layout)
         self.placement = placement
         self.collect_stats = collect_stats
+        self.lora = nnx.data(None)  # a pytree of LoRAParam groups once adapters are set
         if collect_stats:
             n = 1 if self.expert_axis is None else mesh.shape[self.expert_axis]
             self.stats = MoEStatsVariable(MoEStats.zeros(cfg.num_experts, n))
@@ -114,13 +131,15 @@ class MoE(nnx.Module):
             raise ValueError(f"placement needs a mesh with the expert axis {expert_axis!r} to place the experts over")
         if mesh is None:
             self.load_params(init_params(cfg, rngs.params(), param_dtype, fmt=fmt, layout=self.layout))
-            return
-        if self.expert_axis is None:
-            if tensor_axis is not None:
-                raise ValueError(f"tensor_axis={tensor_axis!r} needs expert_axis={expert_axis!r} in the mesh")
         else:
-            parallel.check_mesh(cfg, mesh, expert_axis, tensor_axis, placement=placement)
-        self.load_params(self._init_sharded(rngs.params(), param_dtype))
+            if self.expert_axis is None:
+                if tensor_axis is not None:
+                    raise ValueError(f"tensor_axis={tensor_axis!r} needs expert_axis={expert_axis!r} in the mesh")
+            else:
+                parallel.check_mesh(cfg, mesh, expert_axis, tensor_axis, placement=placement)
+            self.load_params(self._init_sharded(rngs.params(), param_dtype))
+        if lora is not None:
+            self.set_lora(lora)
 
     def _init_sharded(self, key: Array, param_dtype: jnp.dtype) -> MoEParams:
         """`init_params` jitted with the sharding of every parameter as output sharding: XLA partitions the
@@ -181,6 +200,53 @@ class MoE(nnx.Module):
         else:
             self.experts = groups["experts"]
 
+    def set_lora(self, lora: LoRAParams | None) -> None:
+        """Hold the adapter stack `lora` (replacing any previous one; None removes them): A and B of each target as
+        `LoRAParam` variables, the scales as `MoEBuffer`s. Under a mesh the arrays are placed by
+        `moejax.parallel.shard_lora` (same axes and placement as the experts).
+
+        Raises:
+          ValueError: `lora` is one adapter rather than a stack, or does not fit the layer's config
+            (`moejax.lora.check_lora`).
+        """
+        if lora is None:
+            self.lora = nnx.data(None)
+            return
+        if not isinstance(lora, LoRAParams):
+            raise TypeError(f"lora must be a moejax.LoRAParams stack, got {type(lora).__name__}")
+        if not lora.is_stack:
+            raise ValueError("lora is one adapter; the layer holds a stack: moejax.lora.stack([adapter, ...])")
+        check_lora(lora, self.cfg)
+        if self.mesh is not None:
+            lora = parallel.shard_lora(
+                lora,
+                self.cfg,
+                self.mesh,
+                expert_axis=self.expert_axis,
+                tensor_axis=self.tensor_axis,
+                placement=self.placement,
+            )
+        root = _Group()
+        for name, pair in lora.pairs().items():
+            holder = root
+            for part in name.split("."):
+                if not hasattr(holder, part):
+                    setattr(holder, part, _Group())
+                holder = getattr(holder, part)
+            holder.a, holder.b, holder.scale = LoRAParam(pair.a), LoRAParam(pair.b), MoEBuffer(pair.scale)
+        self.lora = nnx.data(root)
+
+    @property
+    def lora_params(self) -> LoRAParams | None:
+        """The adapter stack the layer holds (as `moe_forward(..., lora=)` takes it), or None."""
+        if self.lora is None:
+            return None
+        pairs = {}
+        for path, holder in nnx.iter_graph(self.lora):
+            if isinstance(holder, _Group) and isinstance(getattr(holder, "a", None), LoRAParam):
+                pairs[".".join(map(str, path))] = LoRAPair(holder.a[...], holder.b[...], holder.scale[...])
+        return from_pairs(pairs)
+
     @property
     def params(self) -> MoEParams:
         """The current variables as the `MoEParams` pytree `moe_forward` takes."""
@@ -202,13 +268,26 @@ class MoE(nnx.Module):
         return unflatten(flat, self.fmt)
 
     def __call__(
-        self, x: Array, token_ids: Array | None = None, *, return_stats: bool = False
+        self,
+        x: Array,
+        token_ids: Array | None = None,
+        *,
+        adapter_ids: Array | None = None,
+        return_stats: bool = False,
     ) -> Array | tuple[Array, MoEStats]:
         with_stats = return_stats or self.collect_stats
+        lora = None
+        if adapter_ids is not None:
+            if self.lora is None:
+                raise ValueError("adapter_ids given, but the layer holds no adapters: MoE(..., lora=) or set_lora")
+            lora = self.lora_params
         if self.expert_axis is None:
-            result = moe_forward(self.params, x, self.cfg, token_ids, impl=self.impl, return_stats=with_stats)
+            adapters = {} if lora is None else {"lora": lora, "adapter_ids": adapter_ids}
+            result = moe_forward(
+                self.params, x, self.cfg, token_ids, impl=self.impl, return_stats=with_stats, **adapters
+            )
         else:
-            result = self._forward_ep(x, token_ids, with_stats)
+            result = self._forward_ep(x, token_ids, with_stats, lora, adapter_ids)
         if not with_stats:
             return result
         y, stats = result
@@ -216,7 +295,7 @@ class MoE(nnx.Module):
             self.stats.set_value(self.stats.get_value() + stats)
         return (y, stats) if return_stats else y
 
-    def _forward_ep(self, x: Array, token_ids: Array | None, return_stats: bool):
+    def _forward_ep(self, x: Array, token_ids: Array | None, return_stats: bool, lora, adapter_ids):
         return parallel.moe_forward_ep(
             self.params,
             x,
@@ -229,4 +308,6 @@ class MoE(nnx.Module):
             impl=self.impl,
             return_stats=return_stats,
             placement=self.placement,
+            lora=lora,
+            adapter_ids=adapter_ids,
         )

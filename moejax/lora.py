@@ -24,7 +24,12 @@ float32 the two agree to the model dtype's rounding. Rows with adapter id 0 get 
 The shapes used by the plans: `pair_delta(pair, x, adapter)` for one target of one expert of a stack
 (`pair.a [n+1, r, in]`). It reads every adapter's A and B of that expert once and masks by the rows' ids: for a
 handful of adapters that is less traffic than one gathered copy per row, and a row's delta does not depend on
-its neighbours' adapters.
+its neighbours' adapters. `expert_ffn(w, x, act, lora, adapter)` is one expert's FFN with those deltas, over any
+weight format's `gate_up` / `down_proj` (the reference, every XLA/CPU plan and the shared expert call it).
+
+Also here: `check_lora` (shapes against a `MoEConfig`, errors naming the target), `clamp_ids` (ids outside the
+stack -> 0 inside jit), `select` (one adapter of a stack), and `merge` / `unmerge` (fold one adapter into the
+weights of a `MoEParams`).
 """
 
 from __future__ import annotations

@@ -41,11 +41,23 @@ never tokens or memory. Only the rows a token needs are filled, compacted at the
 all-to-all (`jax.lax.ragged_all_to_all`, GPU only) could later send just those rows; on CPU the static blocks move
 whole.
 
-Expert placement (`placement=`, a `moejax.placement.Placement`; optional in `shard_params` and `moe_forward_ep`):
-the experts are laid out by physical slot instead, `[S, ...]` (hot experts replicated; device d holds slots
-`[d·S/n, (d+1)·S/n)`; E need not divide by n), and right after routing, in either mode, each (token, slot) pair's
-logical expert is replaced by one of its replicas (`Placement.physical_ids`: replica `t mod count` for the
-token's global row t). Everything after runs unchanged on slot ids. Each pair meets the same expert weights with
+LoRA adapters (`lora=` a `moejax.lora.stack`, `adapter_ids=` one id per row): the adapters of an expert live with
+that expert. `shard_lora` splits the routed experts' adapter arrays `[n+1, E, r, in|out]` over the expert axis on E
+like the weights (`lora_specs`), so each device holds its experts' adapters of every id, and a plan applies the
+deltas of its local pairs. The router's adapters are replicated (every device routes the tokens it holds, with their
+ids). Under a tensor axis the intermediate axis is split where the weights split it: B of gate/up (their output) and
+A of down (its input), for the routed experts and for the shared expert; the down delta of an I slice,
+`s·(h_slice·A_sliceᵀ)·Bᵀ`, is a partial sum that the psum reducing the base projection completes. The shared
+expert's sigmoid gate adapter is replicated (its logit `[T, 1]` multiplies every partial). In "replicated" mode
+every device holds every row's id; in "all_to_all" mode the ids are split with the tokens and each dispatched row
+carries its id beside its slots' ids and weights (one more int32 column). Out-of-range ids count as 0 (no
+adapter), as in `moe_forward`.
+
+Expert placement (`placement=`, a `moejax.placement.Placement`; optional in `shard_params`, `shard_lora` and
+`moe_forward_ep`): the experts are laid out by physical slot instead, `[S, ...]` (hot experts replicated; device d
+holds slots `[d·S/n, (d+1)·S/n)`; E need not divide by n), and right after routing, in either mode, each (token,
+slot) pair's logical expert is replaced by one of its replicas (`Placement.physical_ids`: replica `t mod count` for
+the token's global row t). Everything after runs unchanged on slot ids. Each pair meets the same expert weights with
 the same routing weight, so the result equals the unplaced forward up to the order in which a token's per-device
 partial sums are added (its slots fall on other devices).
 """
@@ -68,7 +80,8 @@ from moejax.analysis import expert_load
 from moejax.backends import may_run_kernels, run_routed
 from moejax.config import MoEConfig, SharedExpert
 from moejax.experts import Slots, expert_activation, slots_from_routing
-from moejax.forward import add_once_terms, check_inputs, expert_input
+from moejax.forward import add_once_terms, check_inputs, check_lora_inputs, expert_input
+from moejax.lora import ExpertLoRA, LoRAPair, LoRAParams, SharedLoRA, check_lora, clamp_ids, from_pairs
 from moejax.params import MoEParams, SharedParams, unflatten, with_experts_layout
 from moejax.params import param_specs as array_specs
 from moejax.placement import Placement
@@ -254,16 +267,73 @@ def shard_params(
         slot_expert = np.asarray(placement.slot_expert)
         params = dataclasses.replace(params, experts=jax.tree.map(lambda w: w[slot_expert], params.experts))
     specs = param_specs(cfg, expert_axis=expert_axis, tensor_axis=tensor_axis, fmt=format_of(params.experts))
+    return jax.tree.map(functools.partial(_place, mesh), params, specs)
 
-    def place(value, spec: P) -> Array:
-        sharding = NamedSharding(mesh, spec)
-        if sharding.is_fully_addressable:
-            return jax.device_put(value, sharding)
-        # Another process owns some shards: build the global array from this process's shards only.
-        host = np.asarray(value)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
-    return jax.tree.map(place, params, specs)
+def lora_specs(
+    lora: LoRAParams,
+    *,
+    expert_axis: str | None = "expert",
+    tensor_axis: str | None = None,
+) -> LoRAParams:
+    """The `PartitionSpec` of every array of an adapter stack `lora` (the `shard_map` in_specs), as a `LoRAParams`.
+
+    The adapters of an expert live with that expert: routed-expert pairs (`a [n+1, E, r, in]`, `b [n+1, E, out, r]`)
+    split their E axis over `expert_axis` like the expert weights, and with a `tensor_axis` the intermediate axis I
+    where the expert weights split it (B of gate and up, A of down: `h·A_downᵀ` over an I slice is a partial sum,
+    exact after the psum that reduces the base down projection). The shared expert's pairs split its Is the same
+    way (B of gate/up, A of down) when a tensor axis splits it, else they are replicated. The router's pairs and the
+    shared expert's sigmoid gate (`[T, 1]`, applied to every partial) are replicated; so are the scales.
+    """
+    split_in = {"experts.down", "shared.down"}  # I is the input axis of the down projections, the output of the rest
+
+    def spec(name: str, pair: LoRAPair) -> LoRAPair:
+        if name == "router" or name == "shared.gate_kernel":
+            return LoRAPair(P(), P(), P())
+        e = (expert_axis,) if name.startswith("experts.") else ()
+        t_a, t_b = (tensor_axis, None) if name in split_in else (None, tensor_axis)
+        return LoRAPair(P(None, *e, None, t_a), P(None, *e, t_b, None), P())
+
+    return from_pairs({name: spec(name, pair) for name, pair in lora.pairs().items()})
+
+
+def shard_lora(
+    lora: LoRAParams,
+    cfg: MoEConfig,
+    mesh: Mesh,
+    *,
+    expert_axis: str | None = "expert",
+    tensor_axis: str | None = None,
+    placement: Placement | None = None,
+) -> LoRAParams:
+    """Place an adapter stack on `mesh` by `lora_specs` (each expert's adapters with the expert), the companion of
+    `shard_params` (same axes, same `placement`: with one, the experts' adapters `[n+1, E, ...]` are gathered into
+    slot order `[n+1, S, ...]` as `shard_params` gathers the weights). Works across processes like `shard_params`.
+
+    Raises:
+      ValueError: `lora` is not a stack for `cfg` (`moejax.lora.check_lora`), or the mesh checks of `shard_params`.
+    """
+    check_mesh(cfg, mesh, expert_axis, tensor_axis, placement=placement)
+    check_lora(lora, cfg)
+    if placement is not None and lora.experts is not None:
+        slot_expert = np.asarray(placement.slot_expert)
+        gather = lambda p: dataclasses.replace(p, a=p.a[:, slot_expert], b=p.b[:, slot_expert])
+        lora = dataclasses.replace(lora, experts=jax.tree.map(gather, lora.experts, is_leaf=_is_pair))
+    specs = lora_specs(lora, expert_axis=expert_axis, tensor_axis=tensor_axis)
+    return jax.tree.map(functools.partial(_place, mesh), lora, specs)
+
+
+def _is_pair(value) -> bool:
+    return isinstance(value, LoRAPair)
+
+
+def _place(mesh: Mesh, value, spec: P) -> Array:
+    """`value` on `mesh` by `spec`; across processes, built from this process's shards of the full value."""
+    sharding = NamedSharding(mesh, spec)
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 # -- per-device pieces (run inside shard_map) ----------------------------------------------------------------
@@ -277,7 +347,9 @@ def localize(slots: Slots, first: Array, num_local: int) -> Slots:
     """
     local = slots.indices - first
     mine = (local >= 0) & (local < num_local)
-    return Slots(jnp.where(mine, local, num_local), jnp.where(mine, slots.out_weight, 0.0), slots.in_scale)
+    return dataclasses.replace(
+        slots, indices=jnp.where(mine, local, num_local), out_weight=jnp.where(mine, slots.out_weight, 0.0)
+    )
 
 
 def partial_routed_sum(
@@ -289,6 +361,7 @@ def partial_routed_sum(
     impl: str,
     num_pairs: int,
     tensor_axis: str | None = None,
+    lora: ExpertLoRA | None = None,
 ) -> Array:
     """This device's share of `Σ_k w_k·E_k(x_e)`: `[R, H]` float32 over the local experts (and I-slice).
 
@@ -301,12 +374,14 @@ def partial_routed_sum(
       num_pairs: the global number of (token, slot) pairs; sizes the grouped plan's blocks for the expected
         load per expert rather than for the R·K slots seen here, most of which are not local.
       tensor_axis: when I is split, the down-projection bias is added by tensor shard 0 only.
+      lora: the local experts' adapters (`a [n+1, E/n, r, in]`, sliced like the experts by `lora_specs`), applied by
+        each row's `slots.adapter`.
     """
     if tensor_axis is not None and getattr(experts, "down_bias", None) is not None:
         first_shard = jax.lax.axis_index(tensor_axis) == 0
         experts = dataclasses.replace(experts, down_bias=jnp.where(first_shard, experts.down_bias, 0))
     block_rows = grouped_block_rows(num_pairs, cfg.num_experts)
-    return run_routed(impl, experts, x_e, slots, expert_activation(cfg), block_rows=block_rows)
+    return run_routed(impl, experts, x_e, slots, expert_activation(cfg), lora=lora, block_rows=block_rows)
 
 
 def add_once(
@@ -318,15 +393,20 @@ def add_once(
     *,
     tensor_axis: str | None = None,
     float32: bool = False,
+    lora: SharedLoRA | None = None,
+    adapter: Array | None = None,
 ) -> Array:
     """The terms added exactly once, to the routed sum already reduced over the expert axis. `[T, H]` float32.
 
     Output scaling (Step-3.7), `+ zero_weight·x_e` (LongCat), `+ shared(x_e)` with its sigmoid gate; with a
     tensor axis the shared expert's partial sums (over its Is slice) are reduced over it. The gate multiplies
-    each partial, which is exact because the reduction is linear.
+    each partial, which is exact because the reduction is linear. `lora` (the shared expert's adapters, split like
+    it by `lora_specs`) applies by the rows' `adapter` ids: its down delta over an Is slice is a partial sum too.
     """
     reduce = None if tensor_axis is None else functools.partial(jax.lax.psum, axis_name=tensor_axis)
-    return add_once_terms(routed, x_e, routing, shared, cfg, float32=float32, reduce_shared=reduce)
+    return add_once_terms(
+        routed, x_e, routing, shared, cfg, float32=float32, reduce_shared=reduce, lora=lora, adapter=adapter
+    )
 
 
 def _expert_load(routing: Routing, cfg: MoEConfig, valid: Array | None = None) -> Array:
@@ -335,23 +415,53 @@ def _expert_load(routing: Routing, cfg: MoEConfig, valid: Array | None = None) -
     return expert_load(ids, cfg)
 
 
-def _replicated_body(params, x, token_ids, *, cfg, impl, expert_axis, tensor_axis, placement=None):
-    """Per device: all T tokens `x [T, H]`, local experts (or slots) -> (`[T, H]` float32 replicated, stats)."""
+def _route_and_slots(params, x, token_ids, lora: LoRAParams | None, adapter: Array | None, cfg: MoEConfig):
+    """Routing (with the router adapters of the rows' ids), the expert input and the slots (carrying the ids)."""
+    if lora is None:
+        routing = route(params, x, cfg, token_ids)
+    else:
+        routing = route(params, x, cfg, token_ids, lora=lora.router, adapter=adapter)
+    return routing, expert_input(params, x, cfg), slots_from_routing(routing, cfg, adapter)
+
+
+def _part(lora: LoRAParams | None, name: str):
+    return None if lora is None else getattr(lora, name)
+
+
+def _replicated_body(params, x, token_ids, lora, adapter, *, cfg, impl, expert_axis, tensor_axis, placement=None):
+    """Per device: all T tokens `x [T, H]`, local experts (or slots) -> (`[T, H]` float32 replicated, stats).
+
+    `lora`: the adapter stack with the local experts' adapters (`lora_specs`), `adapter [T]` the rows' ids."""
     T = x.shape[0]
     num_local = params.experts.num_experts
     me = jax.lax.axis_index(expert_axis)
-    routing = route(params, x, cfg, token_ids)
-    x_e = expert_input(params, x, cfg)
-    slots = slots_from_routing(routing, cfg)
+    routing, x_e, slots = _route_and_slots(params, x, token_ids, lora, adapter, cfg)
     if placement is not None:  # each pair to one replica of its expert: physical slot ids from here on
         slots = dataclasses.replace(slots, indices=placement.physical_ids(slots.indices, jnp.arange(T)))
     local = localize(slots, me * num_local, num_local)
     partial = partial_routed_sum(
-        params.experts, x_e, local, cfg, impl=impl, num_pairs=T * cfg.top_k, tensor_axis=tensor_axis
+        params.experts,
+        x_e,
+        local,
+        cfg,
+        impl=impl,
+        num_pairs=T * cfg.top_k,
+        tensor_axis=tensor_axis,
+        lora=_part(lora, "experts"),
     )
     axes = expert_axis if tensor_axis is None else (expert_axis, tensor_axis)
     routed = jax.lax.psum(partial, axes)
-    out = add_once(routed, x_e, routing, params.shared, cfg, tensor_axis=tensor_axis, float32=impl == "reference")
+    out = add_once(
+        routed,
+        x_e,
+        routing,
+        params.shared,
+        cfg,
+        tensor_axis=tensor_axis,
+        float32=impl == "reference",
+        lora=_part(lora, "shared"),
+        adapter=adapter,
+    )
     load = _expert_load(routing, cfg)
     if placement is None:
         mine = jax.lax.dynamic_slice_in_dim(load, me * num_local, num_local).sum(keepdims=True)
@@ -391,7 +501,18 @@ def _repeat(body: Callable[[Array, Array], Array], trips: Array, max_trips: int,
 
 
 def _compute_received(
-    experts: Experts, x: Array, ids: Array, weight: Array, cfg: MoEConfig, *, impl, pairs, in_scale, tensor_axis
+    experts: Experts,
+    x: Array,
+    ids: Array,
+    weight: Array,
+    cfg: MoEConfig,
+    *,
+    impl,
+    pairs,
+    in_scale,
+    tensor_axis,
+    lora: ExpertLoRA | None = None,
+    adapter: Array | None = None,
 ) -> Array:
     """The weighted partial sums `[R, H]` float32 of the received rows `x [R, H]` over their local slots.
 
@@ -403,6 +524,7 @@ def _compute_received(
     Args:
       ids: `[R, K]` local expert ids; >= the number of local experts: not here (another device's, or padding).
       weight: `[R, K]` each slot's output weight, or its input scale when `in_scale`.
+      lora, adapter: the local experts' adapters and each received row's adapter id `[R]` (with `lora` only).
     """
     R, K = ids.shape
     num_local = experts.num_experts
@@ -422,8 +544,10 @@ def _compute_received(
         chunk_w = jnp.where(live, weight.reshape(-1)[flat], 0.0)[:, None]
         # Llama-4 scales the input by the routing weight and sums the outputs unweighted.
         slots = Slots(chunk_ids, live[:, None].astype(jnp.float32), chunk_w) if in_scale else Slots(chunk_ids, chunk_w)
+        if lora is not None:
+            slots = dataclasses.replace(slots, adapter=adapter[row])
         y = partial_routed_sum(
-            experts, x[row], slots, cfg, impl=impl, num_pairs=num_pairs, tensor_axis=tensor_axis
+            experts, x[row], slots, cfg, impl=impl, num_pairs=num_pairs, tensor_axis=tensor_axis, lora=lora
         )  # [pairs, H]
         return out.at[jnp.where(live, row, R)].add(y, mode="drop")
 
@@ -432,19 +556,32 @@ def _compute_received(
 
 
 def _all_to_all_body(
-    params, x, token_ids, *, cfg, impl, expert_axis, tensor_axis, num_tokens, n, capacity, placement=None
+    params,
+    x,
+    token_ids,
+    lora,
+    adapter,
+    *,
+    cfg,
+    impl,
+    expert_axis,
+    tensor_axis,
+    num_tokens,
+    n,
+    capacity,
+    placement=None,
 ):
     """Per device: its `x [T/n, H]` tokens; dispatch, compute, return, combine -> (`[T/n, H]` float32, stats).
 
     `num_local` is the number of experts (or, with a placement, slots) per device; `ids` the expert (or slot)
-    id of each pair; `capacity` = `all_to_all_capacity(...)`."""
+    id of each pair; `capacity` = `all_to_all_capacity(...)`. With adapters (`lora`, the local experts' share, and
+    `adapter [T/n]` the ids of this device's rows), each dispatched row carries its adapter id beside its slots."""
     T_l, H = x.shape
     K, E = cfg.top_k, cfg.num_experts
     rows_per_block, pairs_per_chunk = capacity
     num_local = params.experts.num_experts
     me = jax.lax.axis_index(expert_axis)
-    routing = route(params, x, cfg, token_ids)  # [T_l, K]
-    x_e = expert_input(params, x, cfg)  # [T_l, H]
+    routing, x_e, slots = _route_and_slots(params, x, token_ids, lora, adapter, cfg)  # [T_l, K], [T_l, H]
     rows = me * T_l + jnp.arange(T_l)  # [T_l] global row index
     valid = rows < num_tokens  # [T_l] False on the padding rows
     real = (routing.indices < E) & valid[:, None]  # [T_l, K] slots that need an expert
@@ -453,7 +590,6 @@ def _all_to_all_body(
     owner = jnp.where(real, ids // num_local, n)  # [T_l, K]; n: nobody
     needs = (owner[:, None, :] == devices[None, :, None]).any(-1)  # [T_l, n] token t visits device d
     # One weight per slot travels: the input scale where the family scales inputs (Llama-4), else the output weight.
-    slots = slots_from_routing(routing, cfg)
     weight = slots.out_weight if slots.in_scale is None else slots.in_scale  # [T_l, K]
 
     # The visits to each device in token order, T_l past the last: visit v to d is sent in round v // rows_per_block.
@@ -472,19 +608,24 @@ def _all_to_all_body(
         local_ids = jnp.where(here, ids[token] - devices[:, None, None] * num_local, num_local)
         local_w = jnp.where(here, weight[token], 0.0)
         # Ids and weights travel in one int32 buffer (weights bitcast: integers are never flushed or rounded).
-        meta = jnp.concatenate([local_ids, jax.lax.bitcast_convert_type(local_w, jnp.int32)], -1)  # [n, C, 2K]
+        columns = [local_ids, jax.lax.bitcast_convert_type(local_w, jnp.int32)]
+        if lora is not None:  # the row's adapter id travels with it
+            columns.append(adapter[token][..., None])
+        meta = jnp.concatenate(columns, -1)  # [n, C, 2K (+1)]
         recv_x = jax.lax.all_to_all(x_e[token], expert_axis, 0, 0)  # [n, C, H] block s: rows from device s
-        recv_meta = jax.lax.all_to_all(meta, expert_axis, 0, 0).reshape(n * rows_per_block, 2 * K)
+        recv_meta = jax.lax.all_to_all(meta, expert_axis, 0, 0).reshape(n * rows_per_block, meta.shape[-1])
         partial = _compute_received(
             params.experts,
             recv_x.reshape(n * rows_per_block, H),
             recv_meta[:, :K],
-            jax.lax.bitcast_convert_type(recv_meta[:, K:], jnp.float32),
+            jax.lax.bitcast_convert_type(recv_meta[:, K : 2 * K], jnp.float32),
             cfg,
             impl=impl,
             pairs=pairs_per_chunk,
             in_scale=slots.in_scale is not None,
             tensor_axis=tensor_axis,
+            lora=_part(lora, "experts"),
+            adapter=None if lora is None else recv_meta[:, 2 * K],
         )  # [n·C, H] float32
         back = jax.lax.all_to_all(partial.reshape(n, rows_per_block, H), expert_axis, 0, 0)  # block d: done by d
         return routed.at[jnp.where(sent, token, T_l)].add(back, mode="drop")
@@ -492,7 +633,17 @@ def _all_to_all_body(
     routed = _repeat(one_round, rounds, num_rounds, jnp.zeros((T_l, H), jnp.float32))  # [T_l, H]
     if tensor_axis is not None:
         routed = jax.lax.psum(routed, tensor_axis)
-    out = add_once(routed, x_e, routing, params.shared, cfg, tensor_axis=tensor_axis, float32=impl == "reference")
+    out = add_once(
+        routed,
+        x_e,
+        routing,
+        params.shared,
+        cfg,
+        tensor_axis=tensor_axis,
+        float32=impl == "reference",
+        lora=_part(lora, "shared"),
+        adapter=adapter,
+    )
 
     local_pairs = (owner == me).sum(dtype=jnp.int32)
     pairs_to = jnp.bincount(owner.reshape(-1), length=n + 1)[:n].astype(jnp.int32)  # [n] my pairs per device
@@ -518,6 +669,7 @@ def communication_bytes(
     tensor_size: int = 1,
     dtype: jnp.dtype = jnp.float32,
     capacity_factor: float = CAPACITY_FACTOR,
+    adapters: bool = False,
 ) -> dict[str, int]:
     """Bytes one device sends per `moe_forward_ep` call, from the shapes (the static buffers, whatever the routing).
 
@@ -525,7 +677,8 @@ def communication_bytes(
     sends `(n-1)/n` of its buffer (the block for the device itself stays). Inputs are taken as already placed
     (replicated for "replicated", split for "all_to_all"). "all_to_all" is counted for one round, which holds the
     load of uniform routing times `capacity_factor` (`all_to_all_capacity`); a call whose routing overflows a
-    block runs more rounds, each sending as much again.
+    block runs more rounds, each sending as much again. With `adapters` (a call with LoRA), each "all_to_all" row
+    carries its int32 adapter id too.
 
     Returns:
       {"dispatch": tokens and slot metadata sent, "combine": partial results sent back, "reduce": psums, "total"}.
@@ -544,7 +697,8 @@ def communication_bytes(
         rows_per_block, _ = all_to_all_capacity(cfg, num_tokens, n, capacity_factor)
         sent_rows = (n - 1) * rows_per_block  # [n, rows] minus this device's own block
         sizes = {
-            "dispatch": sent_rows * (H * itemsize + 2 * K * 4),  # token row + int32 ids and weights per slot
+            # token row + int32 ids and weights per slot (+ the row's adapter id)
+            "dispatch": sent_rows * (H * itemsize + (2 * K + adapters) * 4),
             "combine": sent_rows * H * f32,
             "reduce": (1 + shared) * all_reduce(tp, -(-num_tokens // n) * H * f32),
         }
@@ -572,6 +726,26 @@ def _logical_view(params: MoEParams, cfg: MoEConfig, placement: Placement) -> Mo
     return dataclasses.replace(params, experts=view)
 
 
+def _adapter_rows(
+    lora: LoRAParams | None, adapter_ids: Array | None, x: Array, cfg: MoEConfig, placement: Placement | None
+) -> Array | None:
+    """The rows' adapter ids `[T]` int32 (ids outside the stack as 0), or None without adapters, after the checks
+    of `moe_forward` (`moejax.forward.check_lora_inputs`); with a placement the stack's experts are its S slots."""
+    view = lora
+    if lora is not None and placement is not None and lora.experts is not None:
+        first = next(p for p in (lora.experts.gate, lora.experts.up, lora.experts.down) if p is not None)
+        if first.a.shape[1] != placement.num_slots:
+            raise ValueError(
+                f"lora.experts has {first.a.shape[1]} experts, but placement has num_slots={placement.num_slots}: "
+                "lay the adapters out with shard_lora(..., placement=placement)"
+            )
+        logical = lambda w: jax.ShapeDtypeStruct((w.shape[0], cfg.num_experts, *w.shape[2:]), w.dtype)
+        as_logical = lambda p: dataclasses.replace(p, a=logical(p.a), b=logical(p.b))
+        view = dataclasses.replace(lora, experts=jax.tree.map(as_logical, lora.experts, is_leaf=_is_pair))
+    ids = check_lora_inputs(view, adapter_ids, x, cfg)
+    return None if ids is None else clamp_ids(ids.reshape(-1), lora.num_ids)
+
+
 def moe_forward_ep(
     params: MoEParams,
     x: Array,
@@ -586,6 +760,8 @@ def moe_forward_ep(
     return_stats: bool = False,
     placement: Placement | None = None,
     capacity_factor: float = CAPACITY_FACTOR,
+    lora: LoRAParams | None = None,
+    adapter_ids: Array | None = None,
 ) -> Array | tuple[Array, MoEStats]:
     """`moejax.moe_forward` with the routed experts split over `expert_axis` of `mesh`. Jit-able.
 
@@ -608,6 +784,10 @@ def moe_forward_ep(
         docstring). Static (hashable): a new placement compiles a new program.
       capacity_factor: "all_to_all" mode: the dispatch and compute buffers hold this many times the load of uniform
         routing (`all_to_all_capacity`); a heavier load is still computed exactly, in more rounds or chunks.
+      lora: an adapter stack (`moejax.lora.stack`), best placed by `shard_lora` (each expert's adapters with the
+        expert; with a `placement`, in its slot order); as in `moe_forward`.
+      adapter_ids: `[...]` int32 adapter id of each row (0: none; ids outside [0, n] count as 0), with `lora`. In
+        "all_to_all" mode each dispatched row carries its id.
     Returns:
       `[..., H]` in x's dtype (and `MoEStats` when `return_stats`).
 
@@ -628,6 +808,7 @@ def moe_forward_ep(
         check_inputs(params, x, cfg, token_ids)
     else:
         check_inputs(_logical_view(params, cfg, placement), x, cfg, token_ids)
+    adapter = _adapter_rows(lora, adapter_ids, x, cfg, placement)
     n = mesh.shape[expert_axis]
     if math.prod(x.shape[:-1]) == 0:  # an empty batch: nothing to route, send or compute
         empty = jnp.zeros(x.shape, x.dtype)
@@ -636,6 +817,7 @@ def moe_forward_ep(
     flat = x.reshape(-1, cfg.hidden_size)  # [T, H]
     tids = None if token_ids is None else token_ids.reshape(-1)
     T = flat.shape[0]
+    lspecs = None if lora is None else lora_specs(lora, expert_axis=expert_axis, tensor_axis=tensor_axis)
     params = with_experts_layout(params, "stacked")  # a copy for per-expert params: place them with shard_params
     specs = param_specs(cfg, expert_axis=expert_axis, tensor_axis=tensor_axis, fmt=format_of(params.experts))
     stat_specs = EPStats(
@@ -660,6 +842,7 @@ def moe_forward_ep(
         if T_pad != T:  # padding rows are marked invalid inside and send nothing
             flat = jnp.pad(flat, ((0, T_pad - T), (0, 0)))
             tids = None if tids is None else jnp.pad(tids, (0, T_pad - T))
+            adapter = None if adapter is None else jnp.pad(adapter, (0, T_pad - T))
         body = functools.partial(
             _all_to_all_body,
             cfg=cfg,
@@ -672,8 +855,9 @@ def moe_forward_ep(
             placement=placement,
         )
         token_spec = P(expert_axis)
-    fn = _shard_map(body, mesh, in_specs=(specs, token_spec, token_spec), out_specs=(token_spec, stat_specs))
-    args = _match_specs((params, flat, tids), (specs, token_spec, token_spec), mesh)
+    in_specs = (specs, token_spec, token_spec, lspecs if lora is not None else P(), token_spec)
+    fn = _shard_map(body, mesh, in_specs=in_specs, out_specs=(token_spec, stat_specs))
+    args = _match_specs((params, flat, tids, lora, adapter), in_specs, mesh)
     out, stats = fn(*args)
     if _is_explicit(mesh) and token_spec != P() and (out.shape[0] != T or x.ndim != 2):
         # Explicit sharding types reject slicing off the padding or splitting T back into x's leading dims
