@@ -22,10 +22,11 @@ float32 the two agree to the model dtype's rounding. Rows with adapter id 0 get 
 (`where(id == 0, base, base + delta)`).
 
 The shapes used by the plans: `pair_delta(pair, x, adapter)` for one target of one expert of a stack
-(`pair.a [n+1, r, in]`). It reads every adapter's A and B of that expert once and masks by the rows' ids: for a
-handful of adapters that is less traffic than one gathered copy per row, and a row's delta does not depend on
-its neighbours' adapters. `expert_ffn(w, x, act, lora, adapter)` is one expert's FFN with those deltas, over any
-weight format's `gate_up` / `down_proj` (the reference, every XLA/CPU plan and the shared expert call it).
+(`pair.a [n+1, r, in]`). Decode-sized calls gather each row's own adapter; prefill blocks read every adapter of
+the expert once and mask by the rows' ids (less traffic than a gathered copy per row); a row's delta never
+depends on its neighbours' adapters. `expert_ffn(w, x, act, lora, adapter)` is one expert's FFN with those
+deltas, over any weight format's `gate_up` / `down_proj` (the reference, every XLA/CPU plan and the shared
+expert call it).
 
 Also here: `check_lora` (shapes against a `MoEConfig`, errors naming the target), `clamp_ids` (ids outside the
 stack -> 0 inside jit), `select` (one adapter of a stack), and `merge` / `unmerge` (fold one adapter into the
@@ -42,6 +43,8 @@ import jax
 import jax.numpy as jnp
 
 Array = jax.Array
+
+GATHER_MAX_ROWS = 8  # pair_delta gathers each row's own adapter up to this many rows (decode)
 
 
 @jax.tree_util.register_dataclass
@@ -188,13 +191,21 @@ def pair_delta(pair: LoRAPair | None, x: Array, adapter: Array) -> Array | None:
     """`s[id] · (x·A[id]ᵀ)·B[id]ᵀ` per row, float32 `[R, out]`, for a stacked target of ONE expert (or the router /
     shared expert): `pair.a [n+1, r, in]`, `pair.b [n+1, out, r]`, `x [R, in]`, `adapter [R]` int32 ids.
 
-    None when the target has no adapter. Every adapter's A and B are read once and each row keeps its own
-    adapter's terms (masked), so a row's delta depends only on its own x and id.
+    None when the target has no adapter. Up to GATHER_MAX_ROWS rows (decode) each row gathers its own adapter's
+    A and B (R copies of r·(in+out) values: fewer bytes than every adapter's, and no masked work); more rows
+    (prefill blocks) read every adapter's A and B once and keep each row's own terms by a mask. Either way a
+    row's delta is computed on its own (a batch dimension, or a mask of its own id): it depends only on its x and
+    id, and the form depends only on the static row count.
     """
     if pair is None:
         return None
+    x32 = x.astype(jnp.float32)
+    if x.shape[0] <= GATHER_MAX_ROWS:
+        a, b = pair.a[adapter].astype(jnp.float32), pair.b[adapter].astype(jnp.float32)  # [R, r, in], [R, out, r]
+        xa = jnp.einsum("ri,rki->rk", x32, a) * pair.scale[adapter].astype(jnp.float32)[:, None]  # [R, r]
+        return jnp.einsum("rk,rok->ro", xa, b)  # [R, out]
     n = pair.scale.shape[0]
-    xa = jnp.einsum("ri,nki->rnk", x.astype(jnp.float32), pair.a.astype(jnp.float32))  # [R, n+1, r]
+    xa = jnp.einsum("ri,nki->rnk", x32, pair.a.astype(jnp.float32))  # [R, n+1, r]
     mask = jax.nn.one_hot(adapter, n, dtype=jnp.float32) * pair.scale.astype(jnp.float32)  # [R, n+1]
     return jnp.einsum("rnk,nok->ro", xa * mask[:, :, None], pair.b.astype(jnp.float32))  # [R, out]
 
