@@ -41,7 +41,7 @@ def test_moe_forward_on_a_data_parallel_mesh(axis_type, shape, names):
     """Params replicated, x replicated or split over `data`: every impl gives the single-device result, eager and
     jitted, and the split x is never gathered (no all-gather in the compiled program). Every impl on the 1-D
     Explicit mesh; on the other meshes "auto" and "xla_grouped" (the sort of the grouped plan is what a split
-    axis broke; each impl costs ~8 s of compiles: suite time)."""
+    axis broke; each impl costs ~8 s of compiles: suite time). Eager on the 1-D meshes (both axis types)."""
     cfg = moejax.MoEConfig.preset("qwen3_moe", **SMALL)
     mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
     x = jax.random.normal(jax.random.key(1), (8, cfg.hidden_size))
@@ -59,7 +59,7 @@ def test_moe_forward_on_a_data_parallel_mesh(axis_type, shape, names):
             if spec == P("data"):
                 assert "all-gather" not in compiled.as_text(), f"{impl}: x was gathered"
                 assert y.sharding.spec[0] is not None, f"{impl}: output not split over the rows"
-            if impl == "auto":  # eager: op by op on 8 devices, ~15 s per impl and mesh (suite time)
+            if impl == "auto" and len(shape) == 1:  # eager: op by op on 8 devices, ~4 s per mesh (suite time)
                 eager = moejax.moe_forward(params, xs, cfg, impl=impl)
                 np.testing.assert_allclose(eager, ref, rtol=1e-5, atol=1e-5, err_msg=f"{impl} {spec} eager")
 
