@@ -56,7 +56,7 @@ def decode_plan(
     """Routed output `[T, H]` float32 reading each selected expert once (see the module docstring).
 
     With `lora`, union expert u's base weights are still read once; its rows get their own adapters' deltas
-    (`slots.adapter`, every adapter's A and B of u read once, `moejax.lora.expert_ffn`)."""
+    (`slots.adapter`: each row gathers its own adapter's A and B of u, `moejax.lora.expert_ffn`)."""
     adapter = check_lora_slots(lora, slots)
     experts = as_stacked(experts)
     T, K = slots.indices.shape

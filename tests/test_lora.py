@@ -140,6 +140,18 @@ def test_different_ranks_padded_exactly():
     assert np.abs(got).max() > 0.1
 
 
+def test_both_forms_of_the_row_delta_equal_the_per_row_formula():
+    """Up to GATHER_MAX_ROWS rows each row gathers its own adapter; more rows use the masked read of every
+    adapter: both give each row `s[id]·(x·A[id]ᵀ)·B[id]ᵀ`."""
+    pair = LORA.router
+    for R in (moejax.lora.GATHER_MAX_ROWS, moejax.lora.GATHER_MAX_ROWS + 5):
+        x = jax.random.normal(jax.random.key(R), (R, CFG.hidden_size))
+        ids = jnp.arange(R, dtype=jnp.int32) % LORA.num_ids
+        want = np.stack([pair.scale[i] * (x[t] @ pair.a[i].T) @ pair.b[i].T for t, i in enumerate(ids.tolist())])
+        np.testing.assert_allclose(moejax.lora.pair_delta(pair, x, ids), want, rtol=1e-5, atol=1e-5, err_msg=f"{R}")
+        assert np.abs(want).max() > 0.1
+
+
 def test_quantized_base_with_adapters():
     params, x = _inputs()
     q = moejax.quantize(params, CFG, "int8", group_size=None)
