@@ -606,6 +606,13 @@ def _modelopt(algo, group_size) -> HfQuant:
 
 def _compressed_tensors(qc: Mapping[str, Any]) -> HfQuant:
     groups = qc.get("config_groups") or {}
+    if not isinstance(groups, Mapping):
+        raise ValueError(f"quantization_config.config_groups must be an object, got {type(groups).__name__}")
+    for name, g in groups.items():
+        if not isinstance(g, Mapping):
+            raise ValueError(f"quantization_config.config_groups.{name} must be an object, got {type(g).__name__}")
+        if g.get("weights") is not None and not isinstance(g["weights"], Mapping):
+            raise ValueError(f"quantization_config.config_groups.{name}.weights must be an object")
     schemes = {name: g.get("weights") for name, g in groups.items() if g.get("weights")}
     if not schemes:
         raise ValueError("quantization_config.config_groups: no group quantizes weights")
@@ -621,6 +628,9 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> HfQuant:
 
 def _ct_scheme(w: Mapping[str, Any], fmt_name: str | None, where: str) -> type[QuantizedExperts]:
     bits, typ, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
+    symmetric = w.get("symmetric", True)
+    if not isinstance(symmetric, bool):  # bool("false") is True: a string would silently drop the zero points
+        raise ValueError(f"{where}.weights.symmetric={symmetric!r} must be true or false (a JSON boolean)")
     if fmt_name == "nvfp4-pack-quantized":
         if w.get("group_size", 16) != 16:
             raise ValueError(f"{where}.weights.group_size={w.get('group_size')}: NVFP4 groups are 16")
@@ -640,7 +650,7 @@ def _ct_scheme(w: Mapping[str, Any], fmt_name: str | None, where: str) -> type[Q
             raise NotImplementedError(f"{where}: pack-quantized {typ}{bits}: int4 and int8 are supported")
         if strategy == "group":
             group = w.get("group_size")
-            if not isinstance(group, int) or group <= 0:
+            if not isinstance(group, int) or isinstance(group, bool) or group <= 0:
                 raise ValueError(f"{where}.weights.group_size={group!r}: a positive group size is needed")
         elif strategy == "channel":
             group = None
@@ -648,7 +658,7 @@ def _ct_scheme(w: Mapping[str, Any], fmt_name: str | None, where: str) -> type[Q
             raise NotImplementedError(f"{where}.weights.strategy={strategy!r}: 'group' and 'channel' are supported")
         if w.get("actorder") not in (None, False, "weight", "static"):
             raise NotImplementedError(f"{where}.weights.actorder={w.get('actorder')!r}: act-order is not supported")
-        return quantized_format("int", bits=bits, group_size=group, symmetric=bool(w.get("symmetric", True)))
+        return quantized_format("int", bits=bits, group_size=group, symmetric=symmetric)
     raise ValueError(
         f"{where}: compressed-tensors format {fmt_name!r} is not one of 'pack-quantized', 'float-quantized', "
         "'nvfp4-pack-quantized', 'mxfp4-pack-quantized'"
@@ -665,10 +675,30 @@ def _names(tensors: Mapping[str, Any]) -> dict[str, str]:
     return dict(zip(PROJECTIONS, _PER_EXPERT_NAMES[0], strict=True))
 
 
-def _take(tensors: Mapping[str, Any], key: str, shape: tuple[int, ...] | None, what: str = "") -> np.ndarray:
+# The dtypes each on-disk tensor may have. The stored dtype decides how the bytes are decoded: a tensor of another
+# dtype is refused, never cast or reinterpreted (an FP8 e5m2 weight read as e4m3 gives other values, a float32
+# weight_packed cast to int32 loses its bit pattern).
+_FLOATS = tuple(np.dtype(t) for t in (np.float32, np.float16, ml_dtypes.bfloat16))  # exact in float32
+_E4M3 = (np.dtype(ml_dtypes.float8_e4m3fn),)
+_BYTES = (np.dtype(np.uint8),)  # packed e2m1 nibble pairs
+_E8M0 = (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e8m0fnu))  # the same encoding either way
+_INT32 = (np.dtype(np.int32), np.dtype(np.uint32))  # compressed-tensors' packed int32 words
+_INTS = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64))
+
+
+def _take(
+    tensors: Mapping[str, Any],
+    key: str,
+    shape: tuple[int, ...] | None,
+    what: str = "",
+    dtypes: tuple[np.dtype, ...] | None = None,
+) -> np.ndarray:
     if key not in tensors:
         raise ValueError(f"missing tensor {key!r}{what}")
     value = np.asarray(tensors[key])
+    if dtypes is not None and value.dtype not in dtypes:
+        expected = " or ".join(d.name for d in dtypes)
+        raise ValueError(f"{key}: dtype {value.dtype.name}, expected {expected} (the stored dtype decides decoding)")
     if shape is not None and tuple(value.shape) != tuple(shape):
         raise ValueError(f"{key}: expected shape {tuple(shape)}, got {tuple(value.shape)}")
     return value
@@ -708,34 +738,40 @@ def projection_from_hf(
     """One projection's on-disk tensors (`{prefix}weight_packed`, ...; weight `[out, in]`) -> in-memory fields
     `{q, scale, zero?, scale2?}` (`[in, out]` orientation). Raises `ValueError` naming the key on a mismatch."""
     scheme.check_dims(n_in, f"{prefix}weight (in={n_in})")
+    zp_key = f"{prefix}weight_zero_point"
+    if (scheme.kind != "int" or scheme.symmetric) and zp_key in tensors:
+        raise ValueError(
+            f"{zp_key}: the checkpoint holds a zero point but the {scheme.name} scheme is symmetric (the config's "
+            "`symmetric` contradicts the tensors)"
+        )
     if scheme.kind == "fp8_block":
         grid = (-(-n_out // FP8_BLOCK), -(-n_in // FP8_BLOCK))
-        q = _take(tensors, f"{prefix}weight", (n_out, n_in))
+        q = _take(tensors, f"{prefix}weight", (n_out, n_in), dtypes=_E4M3)
         scale_key = f"{prefix}weight_scale_inv" if source == "deepseek" else f"{prefix}weight_scale"
-        scale = _take(tensors, scale_key, None)
+        scale = _take(tensors, scale_key, None, dtypes=_FLOATS)
         if tuple(scale.shape) != grid:
             raise ValueError(
                 f"{scale_key}: scale grid {tuple(scale.shape)} does not match weight [{n_out}, {n_in}] in 128x128 "
                 f"blocks, expected {grid}"
             )
-        return {"q": q.view(ml_dtypes.float8_e4m3fn).T, "scale": scale.astype(np.float32).T}
+        return {"q": q.T, "scale": scale.astype(np.float32).T}
     G = n_in // scheme.group(n_in)
     scale_key = f"{prefix}weight_scale"
     if scheme.kind == "int":
         bits = scheme.bits
-        packed = _take(tensors, f"{prefix}weight_packed", (n_out, -(-n_in * bits // 32)))
+        packed = _take(tensors, f"{prefix}weight_packed", (n_out, -(-n_in * bits // 32)), dtypes=_INT32)
         if f"{prefix}weight_shape" in tensors:
-            shape = tuple(int(v) for v in np.asarray(tensors[f"{prefix}weight_shape"]).reshape(-1))
+            shape = tuple(int(v) for v in _take(tensors, f"{prefix}weight_shape", None, dtypes=_INTS).reshape(-1))
             if shape != (n_out, n_in):
                 raise ValueError(f"{prefix}weight_shape: {shape}, expected {(n_out, n_in)}")
         g_idx_key = f"{prefix}weight_g_idx"
         if g_idx_key in tensors:
-            g_idx = np.asarray(tensors[g_idx_key]).reshape(-1)
+            g_idx = _take(tensors, g_idx_key, None, dtypes=_INTS).reshape(-1)
             if not np.array_equal(g_idx, np.arange(n_in) // scheme.group(n_in)):
                 raise NotImplementedError(f"{g_idx_key}: act-order (a permuted group index) is not supported")
         codes = _codes_of_stream(_bytes_of_int32_rows(packed), bits, n_in)  # [out, in] unsigned q + 2^(b-1)
         q = np.ascontiguousarray(codes.T) if bits == 8 else pack_nibbles(codes.T)
-        scale = _take(tensors, scale_key, None)
+        scale = _take(tensors, scale_key, None, dtypes=_FLOATS)
         if tuple(scale.shape) != (n_out, G):
             raise ValueError(
                 f"{scale_key}: scale grid {tuple(scale.shape)} does not match weight [{n_out}, {n_in}] in groups "
@@ -743,33 +779,35 @@ def projection_from_hf(
             )
         out = {"q": q, "scale": scale.astype(np.float32).T}
         if not scheme.symmetric:
-            zp_key = f"{prefix}weight_zero_point"
-            zp = _take(tensors, zp_key, (-(-n_out * bits // 32), G), " (asymmetric scheme: a zero point is required)")
+            zp_shape = (-(-n_out * bits // 32), G)
+            zp = _take(tensors, zp_key, zp_shape, " (asymmetric scheme: a zero point is required)", _INT32)
             zp_codes = _codes_of_stream(_bytes_of_int32_rows(zp.T), bits, n_out)  # [G, out]
             out["zero"] = (zp_codes.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
         return out
     weight_key = f"{prefix}weight" if source == "modelopt" else f"{prefix}weight_packed"
-    packed = _take(tensors, weight_key, (n_out, n_in // 2))
-    scale = _take(tensors, scale_key, None)
+    packed = _take(tensors, weight_key, (n_out, n_in // 2), dtypes=_BYTES)
+    scale = _take(tensors, scale_key, None, dtypes=_E8M0 if scheme.kind == "mxfp4" else _E4M3)
     if tuple(scale.shape) != (n_out, G):
         raise ValueError(
             f"{scale_key}: scale grid {tuple(scale.shape)} does not match weight [{n_out}, {n_in}] in groups of "
             f"{scheme.group(n_in)}, expected {(n_out, G)}"
         )
-    out = {"q": np.ascontiguousarray(packed.view(np.uint8).T)}
+    out = {"q": np.ascontiguousarray(packed.T)}
     if scheme.kind == "mxfp4":
         out["scale"] = scale.view(np.uint8).T
         return out
-    out["scale"] = scale.view(ml_dtypes.float8_e4m3fn).T
+    out["scale"] = scale.T
     if source == "modelopt":
         key = f"{prefix}weight_scale_2"
-        s2 = _take(tensors, key, None, " (NVFP4: the per-tensor scale is required)").astype(np.float32).reshape(-1)
+        s2 = _take(tensors, key, None, " (NVFP4: the per-tensor scale is required)", _FLOATS)
+        s2 = s2.astype(np.float32).reshape(-1)
         if s2.size != 1:
             raise ValueError(f"{key}: expected one value, got shape {s2.shape}")
         out["scale2"] = np.asarray(s2[0], np.float32)
     else:
         key = f"{prefix}weight_global_scale"
-        gs = _take(tensors, key, None, " (NVFP4: the global scale is required)").astype(np.float32).reshape(-1)
+        gs = _take(tensors, key, None, " (NVFP4: the global scale is required)", _FLOATS)
+        gs = gs.astype(np.float32).reshape(-1)
         if gs.size != 1:
             raise ValueError(f"{key}: expected one value, got shape {gs.shape}")
         out["scale2"] = np.asarray(np.float32(1) / gs[0], np.float32)  # w = fp4·scale/global
@@ -839,8 +877,8 @@ def fields_from_hf_tensors(tensors: Mapping[str, Any], cfg, quant: HfQuant) -> d
             ("experts.down_proj", ("down",), (H, I)),
         ):
             scheme.check_dims(n_in, f"{fused}_blocks (in={n_in})")
-            blocks = _take(tensors, f"{fused}_blocks", (E, n_out, n_in // 32, 16)).view(np.uint8)
-            scales = _take(tensors, f"{fused}_scales", (E, n_out, n_in // 32)).view(np.uint8)
+            blocks = _take(tensors, f"{fused}_blocks", (E, n_out, n_in // 32, 16), dtypes=_BYTES)
+            scales = _take(tensors, f"{fused}_scales", (E, n_out, n_in // 32), dtypes=_E8M0).view(np.uint8)
             blocks = blocks.reshape(E, n_out, n_in // 2)
             for i, p in enumerate(parts):
                 rows = slice(i, None, len(parts))  # gate_up: gate the even rows, up the odd rows

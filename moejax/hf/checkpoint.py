@@ -23,7 +23,14 @@ import numpy as np
 from moejax.config import MoEConfig
 from moejax.hf import files as shards
 from moejax.hf import quant as hfquant
-from moejax.hf.configs import config_from_hf, family_config, is_composite, layer_kind, moe_layer_indices
+from moejax.hf.configs import (
+    config_from_hf,
+    family_config,
+    is_composite,
+    layer_kind,
+    moe_layer_indices,
+    num_layers,
+)
 from moejax.hf.convert import block_quant_of, layout_of, params_from_layout, params_to_hf
 from moejax.hf.families import Block, Family
 from moejax.hf.hfconfig import as_dict
@@ -68,6 +75,21 @@ def moe_prefixes(family: Family, keys: Iterable[str]) -> list[str]:
     return sorted(found, key=lambda p: (found[p], p))
 
 
+def _layers_held(family: Family, keys: Iterable[str]) -> int:
+    """1 + the largest decoder-layer index of any key under one of the family's layer prefixes (0 for none)."""
+    patterns = set()
+    for block in family.blocks:
+        layer_prefix = block.prefix[: block.prefix.index("{layer}")]
+        patterns.add(re.compile(re.escape(layer_prefix) + r"(\d+)\."))
+    held = 0
+    for key in keys:
+        for pattern in patterns:
+            match = pattern.match(key)
+            if match:
+                held = max(held, int(match.group(1)) + 1)
+    return held
+
+
 def _listing(prefixes: list[str]) -> str:
     if not prefixes:
         return "no prefix holds an MoE block of this family"
@@ -90,8 +112,7 @@ class _Opened:
             raise ValueError(
                 f"{path} has no {CONFIG}: expected a checkpoint directory as transformers' save_pretrained writes it"
             )
-        with open(config_path) as f:
-            self.hf_config = json.load(f)
+        self.hf_config = shards.read_json(config_path, "config")
         self.path = path
         self.family, self.text = family_config(self.hf_config)
         self.quant = hfquant.read(path, self.hf_config)
@@ -99,6 +120,21 @@ class _Opened:
 
     def prefixes(self) -> list[str]:
         return moe_prefixes(self.family, self.weight_map)
+
+    def check_layer_count(self) -> None:
+        """ValueError when the config counts more decoder layers than the weight map holds: listing the MoE
+        layers walks every layer the config counts, so a hostile `num_hidden_layers=10**9` must stop here."""
+        n = num_layers(self.family, self.text)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            if n is None:
+                return  # moe_layer_indices names the missing field
+            raise ValueError(f"{self.path}/{CONFIG}: {self.family.num_layers}={n!r} is not a layer count")
+        held = _layers_held(self.family, self.weight_map)
+        if n > held:
+            raise ValueError(
+                f"{self.path}/{CONFIG}: {self.family.num_layers}={n}, but the weights hold decoder layers "
+                f"0..{held - 1} only ({held} layers)"
+            )
 
     def block(self, layer: int) -> tuple[MoEConfig, Block, list[str]]:
         """The layer's config, block and keys, or ValueError naming the layer and where MoE blocks are."""
@@ -267,6 +303,7 @@ def load_layers(
     """
     opened = _Opened(checkpoint)
     if layer_indices is None:
+        opened.check_layer_count()
         layer_indices = moe_layer_indices(opened.hf_config)
     blocks = {layer: opened.block(layer) for layer in layer_indices}
     quants = {layer: opened.block_quant(layer, block, keys) for layer, (_, block, keys) in blocks.items()}

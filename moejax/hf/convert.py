@@ -124,7 +124,7 @@ def params_from_layout(
         flat |= shared_from_hf(sd, key_layout, cfg, quant.hf if quant and quant.shared else None)
     if cfg.expert_prenorm:
         flat["expert_norm"] = sd.take("pre_feedforward_layernorm_2.weight", (cfg.hidden_size,))
-    sd.check_all_used(ignored_keys(key_layout, cfg), cfg)
+    sd.check_all_used(ignored_keys(key_layout, cfg), cfg, quant.hf if quant is not None else None)
     experts = from_host(expert_fields, fmt, layout)
     params = unflatten({name: jnp.asarray(value) for name, value in flat.items()}, experts=experts)
     check_params(params, cfg)

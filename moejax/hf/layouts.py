@@ -24,7 +24,6 @@ import numpy as np
 
 from moejax import quantized as Q
 from moejax.config import MoEConfig, SharedExpert
-from moejax.hf.quant import SUFFIXES as _QUANT_SUFFIXES
 from moejax.hf.quant import dequantize_projection
 from moejax.quantized import HfQuant
 from moejax.weights import ExpertFormat, ExpertWeights
@@ -97,6 +96,29 @@ def _shape_text(shapes: tuple[tuple[int, ...], ...]) -> str:
     return " or ".join(str(s) for s in shapes)
 
 
+class _Reads(Mapping):
+    """A read-only view of a state dict that records which keys were read (`[key]`, not `in`): what a decoder
+    consumed, so keys it left unread are reported rather than silently dropped."""
+
+    def __init__(self, raw: Mapping[str, Any]):
+        self.raw = raw
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> Any:
+        value = self.raw[key]
+        self.read.add(key)
+        return value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.raw
+
+    def __iter__(self):
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+
 class StateDict:
     """The HF tensors of one block: lookups with shape checks, and a record of the keys used."""
 
@@ -129,7 +151,10 @@ class StateDict:
     def has_prefix(self, prefix: str) -> bool:
         return any(k.startswith(prefix) for k in self.raw)
 
-    def check_all_used(self, ignored: tuple[str, ...], cfg: MoEConfig) -> None:
+    def check_all_used(self, ignored: tuple[str, ...], cfg: MoEConfig, quant: HfQuant | None = None) -> None:
+        """ValueError naming every key no loader read (nor ignored by name): a tensor the block holds that
+        moejax would drop. Without a quantization config, quantized-looking keys are NotImplementedError."""
+
         def is_ignored(key: str) -> bool:
             return any(key == p or key.startswith(p + ".") for p in ignored)
 
@@ -138,6 +163,11 @@ class StateDict:
             return
         described = ", ".join(f"{k!r} with shape {to_numpy(self.raw[k]).shape}" for k in extra[:8])
         more = f" and {len(extra) - 8} more" if len(extra) > 8 else ""
+        if quant is not None:
+            raise ValueError(
+                f"state dict has keys no loader read: {described}{more} (not part of the {quant.fmt.scheme.name} "
+                f"{quant.source} layout for {cfg})"
+            )
         if any(_QUANTIZED_KEY.search(k) and k != "router.scale" for k in extra):
             raise NotImplementedError(
                 f"quantized checkpoint tensors without a quantization config, or in a layout moejax does not read: "
@@ -209,23 +239,28 @@ def experts_from_hf(
 
 
 def _quantized_experts(sd: StateDict, layout: KeyLayout, cfg: MoEConfig, quant: HfQuant) -> dict[str, np.ndarray]:
-    """`fields_from_hf_tensors` of the expert keys; the keys of the source's quantized Linear modules are marked
-    used (activation scales too: weight-only), anything else under `experts.` is left for the unexpected-key check."""
+    """`fields_from_hf_tensors` of the expert keys; the keys it read are marked used, and so are the activation
+    scales (weight-only: known and left unread); anything else under `experts.` is left for the unused-key check."""
     if layout.experts == "stacked_moe":
         raise NotImplementedError(f"quantized experts in the {layout.name} layout (stacked moe.*) are not supported")
     if (quant.source == "gpt-oss") != (layout.experts == "gpt_oss"):
         what = "gpt-oss's fused MXFP4 blocks" if quant.source == "gpt-oss" else f"{quant.source} per-expert keys"
         raise ValueError(f"the {layout.name} layout does not hold {what}")
-    tensors = {k: v for k, v in sd.raw.items() if k.startswith("experts.")}
-    fields = Q.fields_from_hf_tensors({k: to_numpy(v) for k, v in tensors.items()}, cfg, quant)
-    if quant.source == "gpt-oss":
-        known = re.compile(r"experts\.(gate_up|down)_proj_(blocks|scales|bias)$")
-    else:
-        suffixes = "|".join(_QUANT_SUFFIXES[quant.source])
-        e = "|".join(str(i) for i in range(cfg.num_experts))
-        known = re.compile(rf"experts\.({e})\.({'|'.join(GATE_UP_DOWN + W1_W3_W2)})\.({suffixes}|bias)$")
-    sd.used |= {k for k in tensors if known.match(k)}
+    tensors = _Reads({k: to_numpy(v) for k, v in sd.raw.items() if k.startswith("experts.")})
+    fields = Q.fields_from_hf_tensors(tensors, cfg, quant)
+    sd.used |= tensors.read | _activation_scales(tensors, cfg.num_experts, "experts.{e}.")
     return fields
+
+
+_ACTIVATION_SCALES = ("input_scale", "input_global_scale")  # weight-only: activation scales are not read
+
+
+def _activation_scales(keys: Any, num_experts: int, module: str) -> set[str]:
+    """The activation-scale keys among `keys` of the Linear modules under `module` (`{e}` for each expert)."""
+    modules = [module.format(e=e) for e in range(num_experts)] if "{e}" in module else [module]
+    names = GATE_UP_DOWN + W1_W3_W2
+    wanted = {f"{m}{n}.{s}" for m in modules for n in names for s in _ACTIVATION_SCALES}
+    return wanted & set(keys)
 
 
 def _names_in(sd: StateDict, prefix: str) -> Names:
@@ -290,8 +325,9 @@ def shared_from_hf(
             continue
         if quant.source == "gpt-oss":
             raise NotImplementedError(f"{module}: gpt-oss's MXFP4 layout has no shared expert")
-        fields = Q.projection_from_hf(sd.raw, module, quant.fmt.scheme, quant.source, *shape)
-        sd.used |= {module + s for s in _QUANT_SUFFIXES[quant.source] if module + s in sd.raw}
+        tensors = _Reads(sd.raw)
+        fields = Q.projection_from_hf(tensors, module, quant.fmt.scheme, quant.source, *shape)
+        sd.used |= tensors.read | {module + s for s in _ACTIVATION_SCALES if module + s in sd.raw}
         flat[f"shared.{name}"] = dequantize_projection(fields, quant.fmt.scheme)
     if cfg.shared_expert is SharedExpert.SIGMOID_GATED:
         flat["shared.gate_kernel"] = sd.take("shared_expert_gate.weight", (1, H)).T

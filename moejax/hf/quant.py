@@ -22,28 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax import quantized as Q
+from moejax.hf.files import read_json
 
 HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's, beside config.json
-
-# Per source, the on-disk suffixes of one quantized Linear module (`{module}.{suffix}`) that moejax reads or knows
-# to leave unread (activation scales: weight-only).
-SUFFIXES: dict[str, tuple[str, ...]] = {
-    "compressed-tensors": (
-        "weight",
-        "weight_packed",
-        "weight_scale",
-        "weight_shape",
-        "weight_zero_point",
-        "weight_g_idx",
-        "weight_global_scale",
-        "input_global_scale",
-        "input_scale",
-    ),
-    "deepseek": ("weight", "weight_scale_inv"),
-    "modelopt": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
-    "gpt-oss": ("blocks", "scales"),
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointQuant:
@@ -61,9 +42,13 @@ class CheckpointQuant:
     ignore: tuple[str, ...] = ()
     config: Mapping[str, Any] | None = None
     hf_quant_config: Mapping[str, Any] | None = None
+    targets: tuple[str, ...] | None = None
 
     def quantizes(self, module: str) -> bool:
-        """Whether the full module name (`model.layers.3.mlp.experts.0.gate_proj`) is stored quantized."""
+        """Whether the full name of a Linear module (`model.layers.3.mlp.experts.0.gate_proj`) is stored
+        quantized: targeted (every module when the format has no `targets`) and not ignored."""
+        if self.targets is not None and not any(_targets(t, module) for t in self.targets):
+            return False
         return not any(_matches(pattern, module) for pattern in self.ignore)
 
 
@@ -84,6 +69,39 @@ def _matches(pattern: str, module: str) -> bool:
     return fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(module, pattern + ".*")
 
 
+# Class names a compressed-tensors target can give that match a Linear module (its class and base classes).
+_LINEAR_CLASSES = ("Linear", "Module")
+
+
+def _targets(target: str, module: str) -> bool:
+    """compressed-tensors' rule for a Linear module: the target is its name, an `re:` regex `re.match`ing it, or
+    the name of its class or a base class."""
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return target == module or target in _LINEAR_CLASSES
+
+
+def _string_list(value: Any, where: str) -> list[str]:
+    """A config field that must be a list of strings (a bare string would be read one character at a time)."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{where} must be a list of strings, got {value!r:.200}")
+    return value
+
+
+def _ct_targets(qc: Mapping[str, Any]) -> tuple[str, ...]:
+    """The targets of every compressed-tensors config group that quantizes weights."""
+    targets: list[str] = []
+    for name, group in qc["config_groups"].items():
+        if group.get("weights"):
+            where = f"quantization_config.config_groups.{name}.targets"
+            if "targets" not in group:
+                raise ValueError(f"{where} is missing: compressed-tensors names the modules each group quantizes")
+            targets += _string_list(group["targets"], where)
+    return tuple(dict.fromkeys(targets))
+
+
 def _ignore_field(quant: CheckpointQuant) -> str:
     return {"compressed-tensors": "ignore", "modelopt": "exclude_modules"}.get(
         quant.hf.source, "modules_to_not_convert"
@@ -100,6 +118,10 @@ def from_configs(config: Mapping[str, Any], hf_quant_config: Mapping[str, Any] |
     qc = config.get("quantization_config")
     if qc is None and isinstance(config.get("text_config"), Mapping):
         qc = config["text_config"].get("quantization_config")
+    if qc is not None and not isinstance(qc, Mapping):
+        raise ValueError(f"config.json: quantization_config must be an object, got {type(qc).__name__}")
+    if hf_quant_config is not None and not isinstance(hf_quant_config.get("quantization"), Mapping):
+        raise ValueError(f"{HF_QUANT_CONFIG} has no 'quantization' object")
     hf = Q.format_from_config(qc, hf_quant_config if qc is None else None)
     if hf is None:
         if hf_quant_config is not None:  # ModelOpt beside a config.json that has none
@@ -107,20 +129,18 @@ def from_configs(config: Mapping[str, Any], hf_quant_config: Mapping[str, Any] |
         else:
             return None
     ignore: list[str] = []
-    for source in (qc, (hf_quant_config or {}).get("quantization")):
+    for where, source in (("quantization_config", qc), (HF_QUANT_CONFIG, (hf_quant_config or {}).get("quantization"))):
         if isinstance(source, Mapping):
             for field in ("ignore", "modules_to_not_convert", "exclude_modules"):
-                ignore += list(source.get(field) or [])
-    return CheckpointQuant(hf, tuple(dict.fromkeys(ignore)), qc, hf_quant_config)
+                ignore += _string_list(source.get(field), f"{where}.{field}")
+    targets = _ct_targets(qc) if hf.source == "compressed-tensors" else None
+    return CheckpointQuant(hf, tuple(dict.fromkeys(ignore)), qc, hf_quant_config, targets)
 
 
 def read(path: str, config: Mapping[str, Any]) -> CheckpointQuant | None:
     """`from_configs` of a checkpoint directory (reads `hf_quant_config.json` when present)."""
     hqc_path = os.path.join(path, HF_QUANT_CONFIG)
-    hqc = None
-    if os.path.exists(hqc_path):
-        with open(hqc_path) as f:
-            hqc = json.load(f)
+    hqc = read_json(hqc_path, "ModelOpt config") if os.path.exists(hqc_path) else None
     return from_configs(config, hqc)
 
 
