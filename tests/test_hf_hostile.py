@@ -306,3 +306,24 @@ def test_unused_keys_in_a_quantized_block_raise(tmp_path, dense_params, extra):
     _quantized_checkpoint(tmp_path, dense_params, "int4_sym", mutate=add)
     with pytest.raises(ValueError, match=rf"keys no loader read: '{re.escape(extra)}' with shape \(3,\)"):
         hf.load_layer(tmp_path, 0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("ignore", "lm_head", r"quantization_config\.ignore must be a list of strings, got 'lm_head'"),
+        ("ignore", ["re:(unclosed"], r"quantization_config\.ignore: 're:\(unclosed' is not a valid regular expression"),
+        ("targets", "Linear", r"config_groups\.group_0\.targets must be a list of strings, got 'Linear'"),
+    ],
+)
+def test_malformed_quantization_config_fields_are_named(tmp_path, field, value, message):
+    """A bare string would be matched one character at a time; a bad regex would escape as re.error."""
+    _dense_checkpoint(tmp_path)
+    qc = _ct(_int4(True), "pack-quantized")
+    if field == "targets":
+        qc["config_groups"]["group_0"]["targets"] = value
+    else:
+        qc[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(_qwen_config(quantization_config=qc)))
+    with pytest.raises(ValueError, match=message):
+        hf.load_layer(tmp_path, 0)

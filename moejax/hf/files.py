@@ -45,8 +45,6 @@ _DTYPES = {
 }
 # Bits per element of every dtype the safetensors format defines (the sub-byte ones have no numpy dtype here).
 _BITS = {name: 8 * dtype.itemsize for name, dtype in _DTYPES.items()} | {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
-# The safetensors dtype name of a numpy dtype, for messages.
-DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 def read_json(path: str, what: str = "JSON file") -> dict[str, Any]:

@@ -81,6 +81,11 @@ def text_part(hf_config: Any) -> tuple[dict[str, Any], str]:
     values = as_dict(hf_config)
     outer_type = values.get("model_type")
     if values.get("text_config") is not None:
-        values = as_dict(values["text_config"])
+        try:
+            values = as_dict(values["text_config"])
+        except TypeError:
+            raise ValueError(
+                f"text_config must be a config object, got {type(values['text_config']).__name__}"
+            ) from None
         values.setdefault("model_type", outer_type)
     return values, outer_type

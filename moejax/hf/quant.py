@@ -26,6 +26,7 @@ from moejax.hf.files import read_json
 
 HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's, beside config.json
 
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointQuant:
     """A checkpoint's quantization: its format (`HfQuant`), its ignore patterns, and the config dicts it came from.
@@ -82,11 +83,18 @@ def _targets(target: str, module: str) -> bool:
 
 
 def _string_list(value: Any, where: str) -> list[str]:
-    """A config field that must be a list of strings (a bare string would be read one character at a time)."""
+    """A config field that must be a list of module patterns (a bare string would be read one character at a
+    time); `re:` patterns must compile."""
     if value is None:
         return []
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"{where} must be a list of strings, got {value!r:.200}")
+    for pattern in value:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as e:
+                raise ValueError(f"{where}: {pattern!r} is not a valid regular expression ({e})") from None
     return value
 
 
