@@ -248,19 +248,15 @@ def _quantized_experts(sd: StateDict, layout: KeyLayout, cfg: MoEConfig, quant: 
         raise ValueError(f"the {layout.name} layout does not hold {what}")
     tensors = _Reads({k: to_numpy(v) for k, v in sd.raw.items() if k.startswith("experts.")})
     fields = Q.fields_from_hf_tensors(tensors, cfg, quant)
-    sd.used |= tensors.read | _activation_scales(tensors, cfg.num_experts, "experts.{e}.")
+    modules = [f"experts.{e}.{n}." for e in range(cfg.num_experts) for n in GATE_UP_DOWN + W1_W3_W2]
+    sd.used |= tensors.read | _activation_scales(tensors, modules)
     return fields
 
 
-_ACTIVATION_SCALES = ("input_scale", "input_global_scale")  # weight-only: activation scales are not read
-
-
-def _activation_scales(keys: Any, num_experts: int, module: str) -> set[str]:
-    """The activation-scale keys among `keys` of the Linear modules under `module` (`{e}` for each expert)."""
-    modules = [module.format(e=e) for e in range(num_experts)] if "{e}" in module else [module]
-    names = GATE_UP_DOWN + W1_W3_W2
-    wanted = {f"{m}{n}.{s}" for m in modules for n in names for s in _ACTIVATION_SCALES}
-    return wanted & set(keys)
+def _activation_scales(keys: Mapping[str, Any], modules: list[str]) -> set[str]:
+    """The activation-scale keys among `keys` of the Linear modules `modules` (prefixes ending in a dot):
+    weight-only, so known and left unread."""
+    return {m + s for m in modules for s in ("input_scale", "input_global_scale") if m + s in keys}
 
 
 def _names_in(sd: StateDict, prefix: str) -> Names:
@@ -327,7 +323,7 @@ def shared_from_hf(
             raise NotImplementedError(f"{module}: gpt-oss's MXFP4 layout has no shared expert")
         tensors = _Reads(sd.raw)
         fields = Q.projection_from_hf(tensors, module, quant.fmt.scheme, quant.source, *shape)
-        sd.used |= tensors.read | {module + s for s in _ACTIVATION_SCALES if module + s in sd.raw}
+        sd.used |= tensors.read | _activation_scales(sd.raw, [module])
         flat[f"shared.{name}"] = dequantize_projection(fields, quant.fmt.scheme)
     if cfg.shared_expert is SharedExpert.SIGMOID_GATED:
         flat["shared.gate_kernel"] = sd.take("shared_expert_gate.weight", (1, H)).T
