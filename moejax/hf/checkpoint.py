@@ -157,8 +157,9 @@ class _Opened:
     def block_quant(self, layer: int, block: Block, keys: list[str]) -> BlockQuant | None:
         """Which of the block's modules the checkpoint's quantization config quantizes (None: a dense checkpoint).
 
-        The routed experts are quantized unless every expert module is in the config's ignore list; the shared
-        expert likewise; a block with some expert modules ignored and others not is not supported.
+        The routed experts are quantized unless no expert module is (compressed-tensors' `targets` miss them, or
+        the config's ignore list names them); the shared expert likewise; a block with some expert modules
+        quantized and others not is not supported.
         """
         if self.quant is None:
             return None
