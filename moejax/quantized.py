@@ -420,7 +420,9 @@ def _round_bf16(v: np.ndarray) -> np.ndarray:
     return v.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def quantize_projection(w: np.ndarray, scheme: Scheme, *, tensor_amax: float | None = None) -> dict[str, np.ndarray]:
+def quantize_projection(
+    w: np.ndarray, scheme: Scheme, *, tensor_amax: float | None = None, name: str = "the weight"
+) -> dict[str, np.ndarray]:
     """One projection of one expert, float `[in, out]` -> the format's arrays `{q, scale, zero?, scale2?}`.
 
     Min-max scales, round-to-nearest-even.
@@ -432,10 +434,21 @@ def quantize_projection(w: np.ndarray, scheme: Scheme, *, tensor_amax: float | N
     Int and FP8 scales are rounded to bfloat16 first (compressed-tensors stores them in bfloat16, DeepSeek in
     float32: a save is exact in both). `tensor_amax` overrides NVFP4's per-tensor max (gate and up share one, as
     ModelOpt and llm-compressor fuse them).
+
+    Raises:
+      ValueError: `w` holds NaN or inf (naming `name` and the first position): min-max scales would turn them into
+        finite codes and zero the rest of their group, where the dense forward gives NaN.
     """
     w = np.asarray(w, np.float32)
     n_in, n_out = w.shape
-    scheme.check_dims(n_in, "the weight")
+    bad = ~np.isfinite(w)
+    if bad.any():
+        i, o = np.argwhere(bad)[0]
+        raise ValueError(
+            f"quantize: {name} [{n_in}, {n_out}] has {int(bad.sum())} non-finite values (first w[{i}, {o}] = "
+            f"{w[i, o]}); quantized codes cannot represent them"
+        )
+    scheme.check_dims(n_in, name)
     if scheme.kind == "fp8_block":
         gi, go = -(-n_in // FP8_BLOCK), -(-n_out // FP8_BLOCK)
         padded = np.zeros((gi * FP8_BLOCK, go * FP8_BLOCK), np.float32)
@@ -507,7 +520,7 @@ def quantize_experts(experts: Experts, fmt: type[QuantizedExperts]) -> Quantized
         gate_up_amax = float(max(np.abs(ws["gate"]).max(), np.abs(ws["up"]).max()))
         for p, w in ws.items():
             amax = gate_up_amax if p != "down" and fmt.scheme.kind == "nvfp4" else None
-            for k, v in quantize_projection(w, fmt.scheme, tensor_amax=amax).items():
+            for k, v in quantize_projection(w, fmt.scheme, tensor_amax=amax, name=f"expert {e} {p}").items():
                 fields.setdefault(f"{p}_{k}", []).append(v)
     stacked = {name: jnp.asarray(np.stack(vs)) for name, vs in fields.items()}
     biases = {k: getattr(dense, k) for k in ("gate_bias", "up_bias", "down_bias") if getattr(dense, k) is not None}
