@@ -56,6 +56,14 @@ from moejax.weights import (
     small_normal,
     to_layout,
 )
+from pallas_kernels.codecs import (  # the one decoder of each code, shared with the kernels
+    E2M1_VALUES,  # noqa: F401 (re-exported)
+    e2m1_to_f32,
+    e8m0_to_f32,
+    pack_nibbles,
+    split_nibbles,
+    unpack_nibbles,
+)
 
 Array = jax.Array
 Kind = Literal["int", "fp8_block", "mxfp4", "nvfp4"]
@@ -64,7 +72,6 @@ FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP4_MAX = 6.0  # largest e2m1
 REDUCE_MAX_ROWS = 2  # up to this many rows: the fused multiply-reduce; more rows: dequantize once, then a dot
-E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,28 +129,6 @@ class Scheme:
             raise ValueError(f"{self.name}: group size {g} does not divide in={n_in} of {what}")
         if self.packed and g % 2:
             raise ValueError(f"{self.name}: 4-bit codes pack in pairs, group {g} of {what} is odd")
-
-
-# -- code tables -----------------------------------------------------------------------------------------------
-
-
-def e2m1_to_f32(codes: Array) -> Array:
-    """4-bit e2m1 codes (bit 3 sign, 2 exponent bits, 1 mantissa bit; any int dtype) -> float32, exactly.
-
-    Built from bits, no table gather: a normal code (exponent e > 0) becomes the float32 with exponent e + 126
-    and the mantissa bit on top, `2^(e-1)·(1 + m/2)`; a subnormal one is `m·0.5`. Then the sign bit.
-    """
-    c = codes.astype(jnp.int32)
-    mag = c & 7
-    bits = jnp.where(mag < 2, mag * 0x3F000000, (mag << 22) + (126 << 23))
-    return jax.lax.bitcast_convert_type(bits | ((c & 8) << 28), jnp.float32)
-
-
-def e8m0_to_f32(s: Array) -> Array:
-    """e8m0 scales (uint8, `2^(s-127)`; 255 is NaN) -> float32."""
-    s = s.astype(jnp.int32)
-    pow2 = jax.lax.bitcast_convert_type(jnp.maximum(s, 1) << 23, jnp.float32)
-    return jnp.where(s == 0, np.float32(2.0**-127), jnp.where(s == 255, np.float32(np.nan), pow2))
 
 
 # -- the formats -----------------------------------------------------------------------------------------------
@@ -239,7 +224,7 @@ class QuantizedExperts(ExpertFormat):
         G = scale.shape[0]
         if s.packed:
             u = q.reshape(G, -1, n_out)  # [G, g/2, out]
-            codes = jnp.stack([u & 15, u >> 4], axis=2)  # [G, g/2, 2, out]: even element, odd element
+            codes = jnp.stack(split_nibbles(u), axis=2)  # [G, g/2, 2, out]: even element, odd element
         else:
             codes = q.reshape(G, -1, n_out)  # [G, g, out]
         bcast = (slice(None),) + (None,) * (codes.ndim - 2)  # a [G, out] array against the codes
@@ -328,7 +313,8 @@ class QuantizedExperts(ExpertFormat):
         u = q.reshape(G, -1, n_out)  # [G, g/2, out]
         xg = x.reshape(R, G, -1)
         xe, xo = xg[:, :, 0::2, None], xg[:, :, 1::2, None]
-        v = e2m1_to_f32(u & 15)[None] * xe + e2m1_to_f32(u >> 4)[None] * xo
+        low, high = split_nibbles(u)
+        v = e2m1_to_f32(low)[None] * xe + e2m1_to_f32(high)[None] * xo
         return jnp.sum(v * sf[None, :, None, :], axis=(1, 2))
 
     def gate_up(self, x: Array) -> tuple[Array, Array]:
@@ -495,18 +481,6 @@ def quantize_projection(
     v = np.clip(wg / scale_f[:, None], -FP4_MAX, FP4_MAX).reshape(n_in, n_out)
     out["q"] = pack_nibbles(v.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 15)
     return out
-
-
-def pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """4-bit codes `[in, out]` (uint8 < 16) -> bytes `[in/2, out]`, element 2j in the low nibble of byte j."""
-    codes = np.asarray(codes, np.uint8)
-    return (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
-
-
-def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
-    """The inverse of `pack_nibbles`: bytes `[n/2, ...]` -> codes `[n, ...]`."""
-    packed = np.asarray(packed, np.uint8)
-    return np.stack([packed & 15, packed >> 4], axis=1).reshape(-1, *packed.shape[1:])
 
 
 def quantize_experts(experts: Experts, fmt: type[QuantizedExperts]) -> QuantizedExperts:
@@ -946,7 +920,7 @@ def to_qwix(experts: Experts) -> dict[str, Any]:
                 raise NotImplementedError(f"{p}: qwix tiles evenly; FP8 {q.shape[1:]} has partial 128-blocks")
             out[p] = QArray(q, scale, None, jnp.float8_e4m3fn)
             continue
-        codes = jnp.stack([q & 15, q >> 4], axis=2).reshape(q.shape[0], -1, q.shape[-1]) if s.packed else q
+        codes = unpack_nibbles(q, axis=1) if s.packed else q  # [E, in, out]
         if s.kind == "int":
             signed = (codes.astype(jnp.int16) - (1 << (s.bits - 1))).astype(jnp.int8)
             qvalue = signed.astype(jnp.int4) if s.packed else signed
@@ -999,8 +973,5 @@ def from_qwix(qarrays: Mapping[str, Any], fmt: type[QuantizedExperts]) -> Quanti
             exp = jnp.frexp(scale.astype(jnp.float32))[1] - 1
             fields[f"{p}_scale"] = jnp.clip(exp + 127, 0, 254).astype(jnp.uint8)
             codes = jax.lax.bitcast_convert_type(qvalue, jnp.uint4).astype(jnp.uint8)
-        if s.packed:
-            pairs = codes.reshape(E, n_in // 2, 2, n_out)
-            codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).astype(jnp.uint8)
-        fields[f"{p}_q"] = codes
+        fields[f"{p}_q"] = pack_nibbles(codes, axis=1) if s.packed else codes
     return fmt(**fields)
