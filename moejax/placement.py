@@ -7,6 +7,8 @@ expert weights `[E, ...]` into slot order `[S, ...]`, and `moejax.parallel.moe_f
 each (token, slot) pair to one replica of its expert (`Placement.physical_ids`): replica `t mod c`, in slot order,
 of an expert with c replicas, for the token's row index t in the call. The choice depends on the row index only,
 so it is deterministic and the same on every device, and rows choosing a hot expert alternate among its replicas.
+The laid-out params record their placement (`MoEParams.placement`), and `moe_forward_ep` raises when run with
+another (`check_layout`): two placements of the same slot count give the same shapes.
 
 The balancing routine (`balance`) is DeepSeek's EPLB algorithm, on the host in numpy, from a load vector (pairs
 per expert over a past trace, e.g. `moejax.analysis.expert_load`):
@@ -147,9 +149,6 @@ class Placement:
         return jnp.where(real, jnp.asarray(self.replica_slots)[e, replica], self.num_slots).astype(jnp.int32)
 
 
-# -- EPLB ----------------------------------------------------------------------------------------------------
-
-
 def check_layout(laid_out: Placement | None, placement: Placement | None) -> None:
     """`ValueError` naming both when experts laid out by `laid_out` (`MoEParams.placement`; None: logical order)
     are about to run with `placement`: with the same slot count the shapes agree and every pair would silently
@@ -167,6 +166,9 @@ def check_layout(laid_out: Placement | None, placement: Placement | None) -> Non
         f"params are laid out by {name(laid_out)} but run with placement={name(placement)}{where}: lay them out "
         "with moejax.parallel.shard_params(..., placement=) of the placement they run with"
     )
+
+
+# -- EPLB ----------------------------------------------------------------------------------------------------
 
 
 def _load_vector(load, num_experts: int | None = None) -> np.ndarray:
