@@ -265,7 +265,7 @@ class MoE(nnx.Module):
         expert_norm = getattr(self, "expert_norm", None)
         if isinstance(expert_norm, nnx.Variable):
             flat["expert_norm"] = expert_norm[...]
-        return unflatten(flat, self.fmt)
+        return dataclasses.replace(unflatten(flat, self.fmt), placement=self.placement)  # the experts' slot order
 
     def __call__(
         self,

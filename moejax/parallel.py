@@ -84,7 +84,7 @@ from moejax.forward import add_once_terms, check_inputs, check_lora_inputs, expe
 from moejax.lora import ExpertLoRA, LoRAPair, LoRAParams, SharedLoRA, check_lora, clamp_ids, from_pairs
 from moejax.params import MoEParams, SharedParams, unflatten, with_experts_layout
 from moejax.params import param_specs as array_specs
-from moejax.placement import Placement
+from moejax.placement import Placement, check_layout
 from moejax.plans import grouped_block_rows
 from moejax.routing import Routing, route
 from moejax.stats import MoEStats
@@ -246,7 +246,8 @@ def shard_params(
     `expert_axis=None` replicates the experts too (a mesh used for other axes only). With a `placement`, the
     experts `[E, ...]` (in logical order, as loaded) are first gathered into slot order `[S, ...]`
     (`experts[placement.slot_expert]`: a replicated expert's weights are copied to each of its slots), the
-    layout `moe_forward_ep(..., placement=placement)` takes.
+    layout `moe_forward_ep(..., placement=placement)` takes; the result records it (`MoEParams.placement`), and
+    `moe_forward_ep` raises when run with another.
 
     Works across processes (multi-host): every process passes the same full values (e.g. host numpy arrays
     or its own copy) and keeps only the shards of its own devices.
@@ -254,20 +255,26 @@ def shard_params(
     Raises:
       ValueError: E is not divisible by the expert-axis size (the message names both), I or Is not divisible
         by the tensor-axis size, an axis is missing from the mesh, or `placement` does not fit (E, n, or
-        experts that are not in logical order).
+        experts that are not in logical order, e.g. already laid out by a placement).
     """
     check_mesh(cfg, mesh, expert_axis, tensor_axis, placement=placement)
     params = with_experts_layout(params, "stacked")  # the experts are split along their stacked E axis
+    if placement is not None and params.experts.num_experts != cfg.num_experts:
+        raise ValueError(
+            f"params.experts has {params.experts.num_experts} experts; shard_params(..., placement=) takes "
+            f"them in logical order, E={cfg.num_experts}"
+        )
+    if params.placement is not None:  # gathering slots again would scramble them
+        raise ValueError(
+            f"params are already laid out by {params.placement.describe()}; shard_params takes the experts in "
+            f"logical order, E={cfg.num_experts}"
+        )
     if placement is not None:
-        if params.experts.num_experts != cfg.num_experts:
-            raise ValueError(
-                f"params.experts has {params.experts.num_experts} experts; shard_params(..., placement=) takes "
-                f"them in logical order, E={cfg.num_experts}"
-            )
         slot_expert = np.asarray(placement.slot_expert)
         params = dataclasses.replace(params, experts=jax.tree.map(lambda w: w[slot_expert], params.experts))
     specs = param_specs(cfg, expert_axis=expert_axis, tensor_axis=tensor_axis, fmt=format_of(params.experts))
-    return jax.tree.map(functools.partial(_place, mesh), params, specs)
+    placed = jax.tree.map(functools.partial(_place, mesh), params, specs)
+    return dataclasses.replace(placed, placement=placement)  # the layout travels with the arrays
 
 
 def lora_specs(
@@ -721,9 +728,10 @@ def _logical_view(params: MoEParams, cfg: MoEConfig, placement: Placement) -> Mo
         )
     E = cfg.num_experts
     if isinstance(experts, PerExpert):
-        return dataclasses.replace(params, experts=dataclasses.replace(experts, parts=experts.parts[:E]))
-    view = jax.tree.map(lambda w: jax.ShapeDtypeStruct((E, *w.shape[1:]), w.dtype), experts)
-    return dataclasses.replace(params, experts=view)
+        view = dataclasses.replace(experts, parts=experts.parts[:E])
+    else:
+        view = jax.tree.map(lambda w: jax.ShapeDtypeStruct((E, *w.shape[1:]), w.dtype), experts)
+    return dataclasses.replace(params, experts=view, placement=None)  # the placement is checked on its own
 
 
 def _adapter_rows(
@@ -780,8 +788,9 @@ def moe_forward_ep(
       return_stats: also return the call's routing statistics, `moejax.stats.MoEStats` (per-device fields over
         the expert axis), computed on device.
       placement: a `moejax.placement.Placement` over the expert axis; `params` then hold the experts in its slot
-        order (`shard_params(..., placement=placement)`), and each pair runs on one replica of its expert (module
-        docstring). Static (hashable): a new placement compiles a new program.
+        order (`shard_params(..., placement=placement)`, which records it in `params.placement`; another one
+        raises), and each pair runs on one replica of its expert (module docstring). Static (hashable): a new
+        placement compiles a new program.
       capacity_factor: "all_to_all" mode: the dispatch and compute buffers hold this many times the load of uniform
         routing (`all_to_all_capacity`); a heavier load is still computed exactly, in more rounds or chunks.
       lora: an adapter stack (`moejax.lora.stack`), best placed by `shard_lora` (each expert's adapters with the
@@ -793,8 +802,8 @@ def moe_forward_ep(
 
     Raises:
       ValueError: unknown mode or impl, a mesh axis missing, E not divisible by the expert-axis size (without a
-        placement), a placement that does not fit, a capacity_factor that is not > 0, or the shape errors of
-        `moe_forward`.
+        placement), a placement that does not fit or is not the one `params` were laid out by, a capacity_factor
+        that is not > 0, or the shape errors of `moe_forward`.
       NotImplementedError: an impl that runs the Pallas kernels on a CPU mesh of more than one device
         (`check_kernels_can_run`).
     """
@@ -805,9 +814,12 @@ def moe_forward_ep(
     check_mesh(cfg, mesh, expert_axis, tensor_axis, placement=placement)
     check_kernels_can_run(impl, mesh)
     if placement is None:
+        check_layout(getattr(params, "placement", None), None)
         check_inputs(params, x, cfg, token_ids)
     else:
         check_inputs(_logical_view(params, cfg, placement), x, cfg, token_ids)
+        check_layout(params.placement, placement)
+        params = dataclasses.replace(params, placement=None)  # recorded and checked: the specs below carry none
     adapter = _adapter_rows(lora, adapter_ids, x, cfg, placement)
     n = mesh.shape[expert_axis]
     if math.prod(x.shape[:-1]) == 0:  # an empty batch: nothing to route, send or compute

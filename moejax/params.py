@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import MoEConfig, SharedExpert
+from moejax.placement import Placement
 from moejax.weights import (
     ArraySpec,
     ExpertFormat,
@@ -61,6 +62,10 @@ class MoEParams:
     experts: Experts  # an ExpertFormat (stacked [E, ...]) or PerExpert (the CPU layout)
     shared: SharedParams | None = None
     expert_norm: Array | None = None  # [H] weight of the experts' pre-norm (Gemma-4)
+    # The placement whose slot order the experts are in (`moejax.parallel.shard_params(..., placement=)`: `[S, ...]`),
+    # None for the logical order `[E, ...]`. Static pytree metadata, so it travels with the arrays through jit,
+    # tree maps and checkpoint restores, and `moe_forward_ep` checks it against its `placement=` at trace time.
+    placement: Placement | None = dataclasses.field(default=None, metadata={"static": True})
 
 
 BUFFERS = frozenset({"router.correction_bias", "router.tid2eid"})  # not trainable
@@ -134,7 +139,8 @@ def expected_shapes(cfg: MoEConfig, fmt: type[ExpertFormat] = ExpertWeights) -> 
 
 
 def flatten(params: MoEParams) -> dict[str, Array]:
-    """`MoEParams` -> {dotted name: array}, None fields left out (per-expert weights as `experts.{e}.{field}`)."""
+    """`MoEParams` -> {dotted name: array}, None fields left out (per-expert weights as `experts.{e}.{field}`).
+    The arrays only: `placement` is not an array (`unflatten` gives None; restore it with `dataclasses.replace`)."""
     flat = {}
     for group in ("router", "shared"):
         sub = getattr(params, group)
@@ -166,9 +172,16 @@ def unflatten(
 
 def check_params(params: MoEParams, cfg: MoEConfig) -> None:
     """Raise `ValueError`/`TypeError` naming the parameter, expected and actual shape (or dtype), for any
-    missing, extra or mis-shaped one. Shape-only: safe on tracers, called by `moe_forward` at trace time."""
+    missing, extra or mis-shaped one, and for experts laid out by a placement (`MoEParams.placement`: only the EP
+    forward runs those). Shape-only: safe on tracers, called by `moe_forward` at trace time."""
     if not isinstance(params, MoEParams):
         raise TypeError(f"params must be moejax.MoEParams, got {type(params).__name__}")
+    if params.placement is not None:
+        raise ValueError(
+            f"params hold their experts in the slot order of {params.placement.describe()} (laid out by "
+            "moejax.parallel.shard_params(..., placement=)): only moejax.parallel.moe_forward_ep(..., placement=) "
+            "runs them; this takes the experts in logical order"
+        )
     expected = {name: s.shape for name, s in param_specs(cfg).items() if not name.startswith("experts.")}
     actual = {name: tuple(jnp.shape(v)) for name, v in flatten(params).items() if not name.startswith("experts.")}
     missing = sorted(set(expected) - set(actual))

@@ -7,6 +7,8 @@ expert weights `[E, ...]` into slot order `[S, ...]`, and `moejax.parallel.moe_f
 each (token, slot) pair to one replica of its expert (`Placement.physical_ids`): replica `t mod c`, in slot order,
 of an expert with c replicas, for the token's row index t in the call. The choice depends on the row index only,
 so it is deterministic and the same on every device, and rows choosing a hot expert alternate among its replicas.
+The laid-out params record their placement (`MoEParams.placement`), and `moe_forward_ep` raises when run with
+another (`check_layout`): two placements of the same slot count give the same shapes.
 
 The balancing routine (`balance`) is DeepSeek's EPLB algorithm, on the host in numpy, from a load vector (pairs
 per expert over a past trace, e.g. `moejax.analysis.expert_load`):
@@ -30,6 +32,7 @@ A replica's slot within its device is arbitrary; `balance` orders each device's 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 
 import jax
@@ -79,6 +82,15 @@ class Placement:
     def contiguous(cls, num_experts: int, num_devices: int) -> Placement:
         """The layout without placement: slot e holds expert e, device d experts `[d·E/n, (d+1)·E/n)`."""
         return cls(tuple(range(num_experts)), num_experts, num_devices)
+
+    def describe(self) -> str:
+        """A short name for error messages: the sizes and the slot table (a digest of it past 16 slots)."""
+        if self.num_slots <= 16:
+            slots = f"slot_expert={self.slot_expert}"
+        else:
+            digest = hashlib.sha1(np.asarray(self.slot_expert, np.int64).tobytes()).hexdigest()[:10]
+            slots = f"slot_expert sha1 {digest}"
+        return f"Placement(E={self.num_experts}, n={self.num_devices}, S={self.num_slots}, {slots})"
 
     # -- derived (host numpy) ------------------------------------------------------------------------------
     @property
@@ -135,6 +147,25 @@ class Placement:
         counts = jnp.asarray(self.replica_counts)
         replica = token_index.astype(jnp.int32)[:, None] % counts[e]
         return jnp.where(real, jnp.asarray(self.replica_slots)[e, replica], self.num_slots).astype(jnp.int32)
+
+
+def check_layout(laid_out: Placement | None, placement: Placement | None) -> None:
+    """`ValueError` naming both when experts laid out by `laid_out` (`MoEParams.placement`; None: logical order)
+    are about to run with `placement`: with the same slot count the shapes agree and every pair would silently
+    meet another expert's weights."""
+    if laid_out == placement:
+        return
+    name = lambda p: "no placement (experts in logical order)" if p is None else p.describe()
+    where = ""
+    if laid_out is not None and placement is not None:
+        pairs = zip(laid_out.slot_expert, placement.slot_expert, strict=False)
+        slot = next((s for s, (a, b) in enumerate(pairs) if a != b), None)
+        if slot is not None:
+            where = f"; slot {slot} holds expert {laid_out.slot_expert[slot]}, not {placement.slot_expert[slot]}"
+    raise ValueError(
+        f"params are laid out by {name(laid_out)} but run with placement={name(placement)}{where}: lay them out "
+        "with moejax.parallel.shard_params(..., placement=) of the placement they run with"
+    )
 
 
 # -- EPLB ----------------------------------------------------------------------------------------------------

@@ -56,6 +56,14 @@ from moejax.weights import (
     small_normal,
     to_layout,
 )
+from pallas_kernels.codecs import (  # the one decoder of each code, shared with the kernels
+    E2M1_VALUES,  # noqa: F401 (re-exported)
+    e2m1_to_f32,
+    e8m0_to_f32,
+    pack_nibbles,
+    split_nibbles,
+    unpack_nibbles,
+)
 
 Array = jax.Array
 Kind = Literal["int", "fp8_block", "mxfp4", "nvfp4"]
@@ -64,7 +72,6 @@ FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP4_MAX = 6.0  # largest e2m1
 REDUCE_MAX_ROWS = 2  # up to this many rows: the fused multiply-reduce; more rows: dequantize once, then a dot
-E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,28 +129,6 @@ class Scheme:
             raise ValueError(f"{self.name}: group size {g} does not divide in={n_in} of {what}")
         if self.packed and g % 2:
             raise ValueError(f"{self.name}: 4-bit codes pack in pairs, group {g} of {what} is odd")
-
-
-# -- code tables -----------------------------------------------------------------------------------------------
-
-
-def e2m1_to_f32(codes: Array) -> Array:
-    """4-bit e2m1 codes (bit 3 sign, 2 exponent bits, 1 mantissa bit; any int dtype) -> float32, exactly.
-
-    Built from bits, no table gather: a normal code (exponent e > 0) becomes the float32 with exponent e + 126
-    and the mantissa bit on top, `2^(e-1)·(1 + m/2)`; a subnormal one is `m·0.5`. Then the sign bit.
-    """
-    c = codes.astype(jnp.int32)
-    mag = c & 7
-    bits = jnp.where(mag < 2, mag * 0x3F000000, (mag << 22) + (126 << 23))
-    return jax.lax.bitcast_convert_type(bits | ((c & 8) << 28), jnp.float32)
-
-
-def e8m0_to_f32(s: Array) -> Array:
-    """e8m0 scales (uint8, `2^(s-127)`; 255 is NaN) -> float32."""
-    s = s.astype(jnp.int32)
-    pow2 = jax.lax.bitcast_convert_type(jnp.maximum(s, 1) << 23, jnp.float32)
-    return jnp.where(s == 0, np.float32(2.0**-127), jnp.where(s == 255, np.float32(np.nan), pow2))
 
 
 # -- the formats -----------------------------------------------------------------------------------------------
@@ -239,7 +224,7 @@ class QuantizedExperts(ExpertFormat):
         G = scale.shape[0]
         if s.packed:
             u = q.reshape(G, -1, n_out)  # [G, g/2, out]
-            codes = jnp.stack([u & 15, u >> 4], axis=2)  # [G, g/2, 2, out]: even element, odd element
+            codes = jnp.stack(split_nibbles(u), axis=2)  # [G, g/2, 2, out]: even element, odd element
         else:
             codes = q.reshape(G, -1, n_out)  # [G, g, out]
         bcast = (slice(None),) + (None,) * (codes.ndim - 2)  # a [G, out] array against the codes
@@ -328,7 +313,8 @@ class QuantizedExperts(ExpertFormat):
         u = q.reshape(G, -1, n_out)  # [G, g/2, out]
         xg = x.reshape(R, G, -1)
         xe, xo = xg[:, :, 0::2, None], xg[:, :, 1::2, None]
-        v = e2m1_to_f32(u & 15)[None] * xe + e2m1_to_f32(u >> 4)[None] * xo
+        low, high = split_nibbles(u)
+        v = e2m1_to_f32(low)[None] * xe + e2m1_to_f32(high)[None] * xo
         return jnp.sum(v * sf[None, :, None, :], axis=(1, 2))
 
     def gate_up(self, x: Array) -> tuple[Array, Array]:
@@ -420,7 +406,9 @@ def _round_bf16(v: np.ndarray) -> np.ndarray:
     return v.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def quantize_projection(w: np.ndarray, scheme: Scheme, *, tensor_amax: float | None = None) -> dict[str, np.ndarray]:
+def quantize_projection(
+    w: np.ndarray, scheme: Scheme, *, tensor_amax: float | None = None, name: str = "the weight"
+) -> dict[str, np.ndarray]:
     """One projection of one expert, float `[in, out]` -> the format's arrays `{q, scale, zero?, scale2?}`.
 
     Min-max scales, round-to-nearest-even.
@@ -432,10 +420,21 @@ def quantize_projection(w: np.ndarray, scheme: Scheme, *, tensor_amax: float | N
     Int and FP8 scales are rounded to bfloat16 first (compressed-tensors stores them in bfloat16, DeepSeek in
     float32: a save is exact in both). `tensor_amax` overrides NVFP4's per-tensor max (gate and up share one, as
     ModelOpt and llm-compressor fuse them).
+
+    Raises:
+      ValueError: `w` holds NaN or inf (naming `name` and the first position): min-max scales would turn them into
+        finite codes and zero the rest of their group, where the dense forward gives NaN.
     """
     w = np.asarray(w, np.float32)
     n_in, n_out = w.shape
-    scheme.check_dims(n_in, "the weight")
+    bad = ~np.isfinite(w)
+    if bad.any():
+        i, o = np.argwhere(bad)[0]
+        raise ValueError(
+            f"quantize: {name} [{n_in}, {n_out}] has {int(bad.sum())} non-finite values (first w[{i}, {o}] = "
+            f"{w[i, o]}); quantized codes cannot represent them"
+        )
+    scheme.check_dims(n_in, name)
     if scheme.kind == "fp8_block":
         gi, go = -(-n_in // FP8_BLOCK), -(-n_out // FP8_BLOCK)
         padded = np.zeros((gi * FP8_BLOCK, go * FP8_BLOCK), np.float32)
@@ -484,18 +483,6 @@ def quantize_projection(w: np.ndarray, scheme: Scheme, *, tensor_amax: float | N
     return out
 
 
-def pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """4-bit codes `[in, out]` (uint8 < 16) -> bytes `[in/2, out]`, element 2j in the low nibble of byte j."""
-    codes = np.asarray(codes, np.uint8)
-    return (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
-
-
-def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
-    """The inverse of `pack_nibbles`: bytes `[n/2, ...]` -> codes `[n, ...]`."""
-    packed = np.asarray(packed, np.uint8)
-    return np.stack([packed & 15, packed >> 4], axis=1).reshape(-1, *packed.shape[1:])
-
-
 def quantize_experts(experts: Experts, fmt: type[QuantizedExperts]) -> QuantizedExperts:
     """Dense routed experts (either layout) -> `fmt`, stacked, one expert and projection at a time on the host."""
     dense = as_stacked(experts)
@@ -507,7 +494,7 @@ def quantize_experts(experts: Experts, fmt: type[QuantizedExperts]) -> Quantized
         gate_up_amax = float(max(np.abs(ws["gate"]).max(), np.abs(ws["up"]).max()))
         for p, w in ws.items():
             amax = gate_up_amax if p != "down" and fmt.scheme.kind == "nvfp4" else None
-            for k, v in quantize_projection(w, fmt.scheme, tensor_amax=amax).items():
+            for k, v in quantize_projection(w, fmt.scheme, tensor_amax=amax, name=f"expert {e} {p}").items():
                 fields.setdefault(f"{p}_{k}", []).append(v)
     stacked = {name: jnp.asarray(np.stack(vs)) for name, vs in fields.items()}
     biases = {k: getattr(dense, k) for k in ("gate_bias", "up_bias", "down_bias") if getattr(dense, k) is not None}
@@ -971,7 +958,7 @@ def to_qwix(experts: Experts) -> dict[str, Any]:
                 raise NotImplementedError(f"{p}: qwix tiles evenly; FP8 {q.shape[1:]} has partial 128-blocks")
             out[p] = QArray(q, scale, None, jnp.float8_e4m3fn)
             continue
-        codes = jnp.stack([q & 15, q >> 4], axis=2).reshape(q.shape[0], -1, q.shape[-1]) if s.packed else q
+        codes = unpack_nibbles(q, axis=1) if s.packed else q  # [E, in, out]
         if s.kind == "int":
             signed = (codes.astype(jnp.int16) - (1 << (s.bits - 1))).astype(jnp.int8)
             qvalue = signed.astype(jnp.int4) if s.packed else signed
@@ -1024,8 +1011,5 @@ def from_qwix(qarrays: Mapping[str, Any], fmt: type[QuantizedExperts]) -> Quanti
             exp = jnp.frexp(scale.astype(jnp.float32))[1] - 1
             fields[f"{p}_scale"] = jnp.clip(exp + 127, 0, 254).astype(jnp.uint8)
             codes = jax.lax.bitcast_convert_type(qvalue, jnp.uint4).astype(jnp.uint8)
-        if s.packed:
-            pairs = codes.reshape(E, n_in // 2, 2, n_out)
-            codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).astype(jnp.uint8)
-        fields[f"{p}_q"] = codes
+        fields[f"{p}_q"] = pack_nibbles(codes, axis=1) if s.packed else codes
     return fmt(**fields)

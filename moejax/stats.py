@@ -51,9 +51,22 @@ class MoEStats:
     remote_rows: Array  # [n] token rows this device sends to other devices
 
     def __add__(self, other: MoEStats) -> MoEStats:
-        """The statistics of both sets of calls (fieldwise sum; shapes must match: same E and n)."""
+        """The statistics of both sets of calls (fieldwise sum).
+
+        Raises:
+          ValueError: a field's shapes differ (other E or n), naming the field and both shapes; broadcasting
+            would count the pairs of a 1-device `[1]` field once per device of an `[n]` one.
+        """
         if not isinstance(other, MoEStats):
             return NotImplemented
+        for field in dataclasses.fields(self):
+            mine, theirs = jnp.shape(getattr(self, field.name)), jnp.shape(getattr(other, field.name))
+            if mine != theirs:
+                raise ValueError(
+                    f"MoEStats.{field.name}: cannot add shapes {mine} and {theirs} (statistics of another number "
+                    f"of experts or devices: E={self.num_experts} n={self.num_devices} vs "
+                    f"E={other.num_experts} n={other.num_devices})"
+                )
         return jax.tree.map(jnp.add, self, other)
 
     @classmethod

@@ -4,7 +4,8 @@
 * `moe_grouped` (grouped.py): grouped prefill over pairs sorted by expert in block-aligned 64-row tiles.
 
 Weights are dense arrays or `QuantizedWeight`s (quantized_weights.py: int8/int4 group-wise, FP8 128x128 blocks,
-MXFP4, NVFP4 codes and scales, dequantized in registers to bf16 before each wgmma).
+MXFP4, NVFP4 codes and scales, dequantized in registers to bf16 before each wgmma); the codes are decoded by
+codecs.py, which moejax's formats import too.
 
 Both run on Mosaic GPU (Hopper) through the tile kernels of expert_tiles.py, take plain arrays and static
 parameters (the gated activation as one `GatedActivation`), and never import moejax. With `interpret=None` (the

@@ -30,6 +30,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.codecs import e2m1_to_f32, e4m3_to_f32, e8m0_to_f32, split_nibbles
+
 Array = jax.Array
 
 KINDS = ("int8", "int4", "fp8_block", "mxfp4", "nvfp4")
@@ -104,28 +106,7 @@ def check_quantized(name: str, w: QuantizedWeight) -> None:
         raise ValueError(f"{name}: scale2 [E={E}] goes with nvfp4 only, got {getattr(w.scale2, 'shape', None)}")
 
 
-# -- decoding (plain jnp: used both inside the kernels and by the references) ----------------------------------
-
-
-def e2m1_to_f32(nibbles: Array) -> Array:
-    """4-bit e2m1 codes (uint8 < 16) -> float32, exactly, from bits: a normal code (exponent e > 0) is the float32
-    with exponent e + 126 and the mantissa bit on top; a subnormal one is `m · 0.5`; bit 3 is the sign."""
-    c = nibbles.astype(jnp.int32)
-    mag = c & 7
-    bits = jnp.where(mag < 2, mag * 0x3F000000, (mag << 22) + (126 << 23))
-    return jax.lax.bitcast_convert_type(bits | ((c & 8) << 28), jnp.float32)
-
-
-def e8m0_to_f32(s: Array) -> Array:
-    """e8m0 scales (uint8, `2^(s-127)`) -> float32; s = 0 is the subnormal 2^-127 (bits 0x00400000)."""
-    si = s.astype(jnp.int32)
-    return jax.lax.bitcast_convert_type(jnp.where(si == 0, 0x00400000, si << 23), jnp.float32)
-
-
-def fp8_to_f32(q: Array) -> Array:
-    """float8_e4m3fn -> float32 through float16 (exact: every e4m3 value is an f16; Mosaic GPU converts e4m3 to
-    f16 with Hopper's `cvt.f16x2.e4m3x2`)."""
-    return q.astype(jnp.float16).astype(jnp.float32)
+# -- decoding (plain jnp: used both inside the kernels and by the references; the codes in `codecs`) -----------
 
 
 def scale_to_f32(kind: str, scale: Array) -> Array:
@@ -133,7 +114,7 @@ def scale_to_f32(kind: str, scale: Array) -> Array:
     if kind == "mxfp4":
         return e8m0_to_f32(scale)
     if kind == "nvfp4":
-        return fp8_to_f32(scale)
+        return e4m3_to_f32(scale)
     return scale.astype(jnp.float32)
 
 
@@ -143,12 +124,9 @@ def decode_codes(kind: str, codes: Array, zero: Array | None) -> list[Array]:
     `zero` (int kinds, broadcastable to codes, or None) is subtracted with the `2^(b-1)` offset of the codes.
     """
     if kind == "fp8_block":
-        return [fp8_to_f32(codes)]
-    if kind == "int8":
-        parts = [codes]
-    else:  # Mosaic GPU shifts no 8-bit vectors: unpack the nibbles in int32
-        wide = codes.astype(jnp.int32)
-        parts = [wide & 15, wide >> 4]
+        return [e4m3_to_f32(codes)]
+    # Mosaic GPU shifts no 8-bit vectors: 4-bit kinds unpack the nibbles in int32
+    parts = [codes] if kind == "int8" else list(split_nibbles(codes.astype(jnp.int32)))
     if kind in ("mxfp4", "nvfp4"):
         return [e2m1_to_f32(p) for p in parts]
     offset = 128.0 if kind == "int8" else 8.0

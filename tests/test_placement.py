@@ -300,3 +300,49 @@ def test_placement_validation_in_parallel():
         parallel.moe_forward_ep(placed, xd, CFG, mesh=mesh, placement=(0, 1))
     with pytest.raises(ValueError, match="expert_axis=None"):
         parallel.shard_params(params, CFG, mesh, expert_axis=None, placement=placement)
+
+
+def test_params_carry_their_placement_and_another_one_raises():
+    """Params laid out by placement A and run with B of the same slot count met other experts' weights silently
+    (issue 18): `shard_params` records A in `params.placement` (static pytree metadata: it survives jit, tree
+    flattening and the nnx layer) and every entry point checks it at trace time, naming both."""
+    from flax import nnx
+
+    params, xd, _ = _inputs(CFG)
+    mesh = _mesh(2)
+    a = balance(np.arange(32) + 1.0, num_devices=2, num_slots=34)
+    b = Placement(a.slot_expert[17:] + a.slot_expert[:17], a.num_experts, a.num_devices)  # same slots, other order
+    placed = parallel.shard_params(params, CFG, mesh, placement=a)
+    assert placed.placement == a and params.placement is None
+    leaves, treedef = jax.tree.flatten(placed)
+    assert jax.tree.unflatten(treedef, leaves).placement == a
+    both = r"laid out by Placement\(E=32, n=2, S=34, slot_expert sha1 \w+\) but run with placement=Placement\(E=32"
+    ep = functools.partial(parallel.moe_forward_ep, x=xd, cfg=CFG, mesh=mesh)
+    with pytest.raises(ValueError, match=both + r".*slot 0 holds expert \d+, not \d+"):
+        ep(placed, placement=b)
+    with pytest.raises(ValueError, match=both):  # traced: the placement is part of the params' pytree structure
+        jax.jit(lambda p: ep(p, placement=b))(placed)
+    with pytest.raises(ValueError, match=r"laid out by Placement\(E=32.*run with placement=no placement"):
+        ep(placed)
+    with pytest.raises(ValueError, match=r"params hold their experts in the slot order of Placement\(E=32"):
+        moejax.moe_forward(placed, xd, CFG)
+    with pytest.raises(ValueError, match=r"params are already laid out by Placement\(E=32"):
+        parallel.shard_params(placed, CFG, mesh)
+
+    # S = E: a permutation of the experts has the shapes of the logical order (the silent case of the issue)
+    perm = Placement(tuple(range(16, 32)) + tuple(range(16)), num_experts=32, num_devices=2)
+    permuted = parallel.shard_params(params, CFG, mesh, placement=perm)
+    with pytest.raises(ValueError, match=r"S=32, slot_expert sha1 \w+\) but run with placement=no placement"):
+        ep(permuted)
+    with pytest.raises(ValueError, match=r"placement=Placement\(E=32, n=2, S=32.*slot 0 holds expert 16, not 0"):
+        ep(permuted, placement=Placement.contiguous(32, 2))
+    with pytest.raises(ValueError, match=r"already laid out by Placement\(E=32, n=2, S=32"):
+        parallel.shard_params(permuted, CFG, mesh, placement=Placement.contiguous(32, 2))
+
+    def layer_run():  # traced only (eval_shape): the layer's init and call compile nothing
+        layer = moejax.MoE(CFG, rngs=nnx.Rngs(0), mesh=mesh, placement=a)
+        assert layer.params.placement == a
+        return parallel.moe_forward_ep(layer.params, xd, CFG, mesh=mesh, placement=b)
+
+    with pytest.raises(ValueError, match=both):
+        jax.eval_shape(layer_run)

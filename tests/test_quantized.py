@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from multihost_worker import numpy_params
 
 import moejax
 import moejax.bench
@@ -364,3 +365,30 @@ def test_qwix_qarray_round_trip(key):
     back = Q.from_qwix(qarrays, Q.format_of(qparams.experts))
     for name, value in qparams.experts.fields().items():
         np.testing.assert_array_equal(np.asarray(getattr(back, name)).view(np.uint8), np.asarray(value).view(np.uint8))
+
+
+@functools.cache
+def _non_finite_params():
+    """Dense params with a NaN in expert 2's up projection, and (per-expert layout) -inf and inf in expert 0's down."""
+    cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=4, **SIZES)
+    dense = numpy_params(cfg, 0)  # no random-number program to compile
+    experts = jax.tree.map(np.array, dense.experts)
+    up, down = experts.up.copy(), experts.down.copy()
+    up[2, 3, 5] = np.nan
+    down[0, 1, 0], down[0, 2, 7] = -np.inf, np.inf
+    nan_up = dataclasses.replace(dense, experts=dataclasses.replace(experts, up=up))
+    inf_down = dataclasses.replace(dense, experts=dataclasses.replace(experts, down=down))
+    return cfg, nan_up, with_experts_layout(inf_down, "per_expert")
+
+
+@pytest.mark.parametrize("key", ["int8", "int4_asym", "fp8_block", "mxfp4", "nvfp4"])
+def test_quantize_refuses_non_finite_weights(key):
+    """A NaN became finite codes (and zeroed its group) while the dense forward gives NaN (issue 18)."""
+    name, options, _ = FORMATS[key]
+    cfg, nan_up, inf_down = _non_finite_params()
+    with pytest.raises(
+        ValueError, match=r"quantize: expert 2 up \[160, 96\] has 1 non-finite values \(first w\[3, 5\]"
+    ):
+        moejax.quantize(nan_up, cfg, name, **options)
+    with pytest.raises(ValueError, match=r"expert 0 down \[96, 160\] has 2 non-finite values \(first w\[1, 0\] = -inf"):
+        moejax.quantize(inf_down, cfg, name, **options)

@@ -293,3 +293,17 @@ def test_module_placement_with_experts_not_divisible_by_devices_and_validation()
         moejax.MoE(cfg, rngs=nnx.Rngs(0), placement=placement)
     with pytest.raises(ValueError, match=r"placement.num_devices=4 != the size 2"):
         moejax.MoE(cfg, rngs=nnx.Rngs(0), mesh=_mesh(2), placement=placement)
+
+
+def test_adding_statistics_of_other_shapes_raises():
+    """8 devices + 1 device broadcast the 1-device counts over the 8 (every pair counted 8 times; issue 18)."""
+    ep, one = moejax.MoEStats.zeros(16, 8), moejax.MoEStats.zeros(16, 1)
+    ones = dataclasses.replace(one, device_load=jnp.ones((1,), jnp.int32))
+    with pytest.raises(ValueError, match=r"MoEStats.device_load: cannot add shapes \(8,\) and \(1,\).*n=8 vs E=16 n=1"):
+        ep + ones
+    with pytest.raises(ValueError, match=r"MoEStats.device_load: cannot add shapes \(1,\) and \(8,\)"):
+        jax.jit(lambda a, b: a + b)(ones, ep)  # shapes are known while tracing
+    with pytest.raises(ValueError, match=r"MoEStats.expert_load: cannot add shapes \(16,\) and \(12,\)"):
+        one + moejax.MoEStats.zeros(12, 1)
+    total = ones + ones
+    np.testing.assert_array_equal(total.device_load, [2])
