@@ -30,6 +30,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -37,6 +38,7 @@ import jax
 import numpy as np
 import pytest
 
+import moejax
 from moejax import hf, lora
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "qwen3_moe_sharded")
@@ -156,64 +158,57 @@ def _fork(fn):
     return pid
 
 
+def _sweep(job):
+    """Count the steps of the job's op on a copy of its base, then kill a grandchild at each step."""
+    count_file = os.path.join(job["work"], "count")
+
+    def dry():
+        steps = Steps(at=0)
+        steps.install(setattr)
+        _run_op(job["op"], os.path.join(job["work"], "dry"))
+        total = steps.count  # before the count file's own open
+        with open(count_file, "w") as f:
+            f.write(str(total))
+
+    shutil.copytree(job["base"], os.path.join(job["work"], "dry"), symlinks=True)
+    os.waitpid(_fork(dry), 0)
+    with open(count_file) as f:
+        total = int(f.read())
+    results = []
+    for at in range(1, total + 1):
+        directory = os.path.join(job["work"], f"kill{at:03d}")
+        shutil.copytree(job["base"], directory, symlinks=True)
+
+        def killed(at=at, directory=directory):
+            Steps(at=at).install(setattr)
+            _run_op(job["op"], directory)
+
+        _, status = os.waitpid(_fork(killed), 0)
+        results.append({"at": at, "dir": directory, "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0})
+    return {"total": total, "results": results}
+
+
+def _concurrent(job):
+    """The job's ops in two grandchildren started together, each step of each slowed down (overlapping saves)."""
+    read_end, write_end = os.pipe()
+    pids = []
+    for op in job["ops"]:
+
+        def writer(op=op):
+            Steps(action="sleep", pause=0.02).install(setattr)
+            os.read(read_end, 1)  # start together
+            _run_op(op, job["dir"])
+
+        pids.append(_fork(writer))
+    os.write(write_end, b"go")
+    return {"status": [os.waitpid(pid, 0)[1] for pid in pids]}
+
+
 def _child(spec_path):
     with open(spec_path) as f:
-        spec = json.load(f)
-    out = {}
-    if spec["mode"] == "sweep":
-        count_file = os.path.join(spec["work"], "count")
-
-        def dry():
-            steps = Steps(at=0)
-            steps.install(setattr)
-            directory = os.path.join(spec["work"], "dry")
-            _run_op(spec["op"], directory)
-            total = steps.count  # before the count file's own open
-            with open(count_file, "w") as f:
-                f.write(str(total))
-
-        shutil.copytree(spec["base"], os.path.join(spec["work"], "dry"), symlinks=True)
-        os.waitpid(_fork(dry), 0)
-        with open(count_file) as f:
-            total = int(f.read())
-        results = []
-        for at in range(1, total + 1):
-            directory = os.path.join(spec["work"], f"kill{at:03d}")
-            shutil.copytree(spec["base"], directory, symlinks=True)
-
-            def killed(at=at, directory=directory):
-                Steps(at=at).install(setattr)
-                _run_op(spec["op"], directory)
-
-            _, status = os.waitpid(_fork(killed), 0)
-            results.append({"at": at, "dir": directory, "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0})
-        out = {"total": total, "results": results}
-    elif spec["mode"] == "concurrent":
-        read_end, write_end = os.pipe()
-        pids = []
-        for op in spec["ops"]:
-
-            def writer(op=op):
-                Steps(action="sleep", pause=0.02).install(setattr)
-                os.read(read_end, 1)  # start together
-                _run_op(op, spec["dir"])
-
-            pids.append(_fork(writer))
-        os.write(write_end, b"go")
-        out = {"status": [os.waitpid(pid, 0)[1] for pid in pids]}
+        jobs = json.load(f)
+    out = {name: (_sweep if job["mode"] == "sweep" else _concurrent)(job) for name, job in jobs.items()}
     print(json.dumps(out))
-
-
-def _spawn(spec, tmp_path):
-    path = tmp_path / "spec.json"
-    path.write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    done = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(path)], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # -- checking a directory ------------------------------------------------------------------------------------------
@@ -236,6 +231,53 @@ def blocks():
     old = {layer: _numpy(hf.load_layer(FIXTURE, layer, layout="stacked")[1]) for layer in LAYERS}
     new = jax.tree.map(lambda w: w * 2 if w.dtype.kind == "f" else w, old[SAVED])
     return old, new
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory, blocks):
+    """One child process runs the kill sweeps of save_layer and save_adapter and the concurrent writers (a child
+    imports moejax once: each kill is a forked grandchild); {job: its results} and what the tests compare with."""
+    old, new = blocks
+    tmp = tmp_path_factory.mktemp("children")
+    jobs, context = {}, {}
+
+    (tmp / "layer").mkdir()
+    (tmp / "layer.pkl").write_bytes(pickle.dumps(new))
+    op = {"kind": "layer", "layer": SAVED, "params": str(tmp / "layer.pkl")}
+    jobs["layer"] = {"mode": "sweep", "base": FIXTURE, "work": str(tmp / "layer"), "op": op}
+
+    (tmp / "adapter").mkdir()
+    v0 = _adapter(_cfg(0), 1, 2.0)
+    hf.save_adapter(v0, _cfg(0), 0, tmp / "adapter" / "base", family="qwen3_moe")
+    saves = [(1, _adapter(_cfg(1), 2, 0.5, rank=3), _cfg(1)), (0, _adapter(_cfg(0), 3, 8.0), _cfg(0))]
+    (tmp / "adapter.pkl").write_bytes(pickle.dumps(saves))
+    op = {"kind": "adapter", "params": str(tmp / "adapter.pkl")}
+    jobs["adapter"] = {"mode": "sweep", "base": str(tmp / "adapter" / "base"), "work": str(tmp / "adapter"), "op": op}
+    context |= {"adapter_v0": v0, "adapter_saves": saves}
+
+    directory = tmp / "concurrent"
+    shutil.copytree(FIXTURE, directory)
+    ops, want = [], {}
+    for layer in (0, 2):
+        want[layer] = jax.tree.map(lambda w: w * 3 if w.dtype.kind == "f" else w, old[layer])
+        (tmp / f"concurrent{layer}.pkl").write_bytes(pickle.dumps(want[layer]))
+        ops.append({"kind": "layer", "layer": layer, "params": str(tmp / f"concurrent{layer}.pkl")})
+    jobs["concurrent"] = {"mode": "concurrent", "dir": str(directory), "ops": ops}
+    context |= {"concurrent_dir": directory, "concurrent_want": want}
+
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(moejax.__file__)))  # the moejax this process runs
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    done = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), str(tmp / "jobs.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]) | context
 
 
 def _state(directory, old, new, saved=SAVED):
@@ -268,7 +310,9 @@ def _transformers_state(directory):
     transformers = pytest.importorskip("transformers")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, info = transformers.Qwen3MoeForCausalLM.from_pretrained(directory, output_loading_info=True)
+        model, info = transformers.Qwen3MoeForCausalLM.from_pretrained(
+            directory, output_loading_info=True, local_files_only=True
+        )
     assert not info["missing_keys"] and not info["mismatched_keys"], (directory, info)
     return {k: v.detach().to(torch.float32).numpy() for k, v in model.state_dict().items()}
 
@@ -298,14 +342,11 @@ def _have_transformers():
 # -- save_layer -------------------------------------------------------------------------------------------------
 
 
-def test_kill_sweep_save_layer(tmp_path, blocks):
+def test_kill_sweep_save_layer(children, blocks):
     """SIGKILL at every step of a save: each copy is the whole old or the whole new checkpoint for moejax and
     transformers, holds at most what the next save removes, and a retry succeeds."""
     old, new = blocks
-    params = tmp_path / "params.pkl"
-    params.write_bytes(pickle.dumps(new))
-    op = {"kind": "layer", "layer": SAVED, "params": str(params)}
-    out = _spawn({"mode": "sweep", "base": FIXTURE, "work": str(tmp_path), "op": op}, tmp_path)
+    out = children["layer"]
     original = _transformers_state(FIXTURE) if _have_transformers() else None
     seen = []
     for result in out["results"]:
@@ -351,23 +392,29 @@ def test_enospc_at_every_write_step(tmp_path, blocks):
         _assert_clean(directory)
 
 
-def test_concurrent_writers(tmp_path, blocks):
+def test_concurrent_writers(children, blocks):
     """Two processes save layers 0 and 2 of one checkpoint at once: both blocks are saved and load."""
     old, _ = blocks
-    directory = tmp_path / "ckpt"
-    shutil.copytree(FIXTURE, directory)
-    ops, want = [], {}
-    for layer in (0, 2):
-        want[layer] = jax.tree.map(lambda w: w * 3 if w.dtype.kind == "f" else w, old[layer])
-        path = tmp_path / f"params{layer}.pkl"
-        path.write_bytes(pickle.dumps(want[layer]))
-        ops.append({"kind": "layer", "layer": layer, "params": str(path)})
-    out = _spawn({"mode": "concurrent", "dir": str(directory), "ops": ops}, tmp_path)
+    out, directory, want = children["concurrent"], children["concurrent_dir"], children["concurrent_want"]
     assert out["status"] == [0, 0]
     for layer in LAYERS:
         got = _numpy(hf.load_layer(directory, layer, layout="stacked")[1])
         assert _same(got, want.get(layer, old[layer])), layer
     _assert_clean(directory)
+
+
+def test_a_second_writer_waits_for_the_lock(tmp_path, blocks):
+    old, new = blocks
+    shutil.copytree(FIXTURE, tmp_path / "ckpt")
+    held = open(tmp_path / "ckpt" / ".moejax.lock", "w")  # noqa: SIM115 (closed by the timer)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    timer = threading.Timer(0.5, held.close)
+    timer.start()
+    start = time.monotonic()
+    hf.save_layer(tmp_path / "ckpt", SAVED, new)
+    assert time.monotonic() - start >= 0.5
+    timer.join()
+    assert _state(tmp_path / "ckpt", old, new) == "new"
 
 
 def test_a_held_lock_times_out_naming_it(tmp_path, blocks, monkeypatch):
@@ -570,19 +617,10 @@ def test_a_failed_adapter_weights_write_leaves_the_old_adapter(tmp_path, monkeyp
     assert sorted(os.listdir(tmp_path)) == [".moejax.lock", "adapter_config.json", "adapter_model.safetensors"]
 
 
-def test_kill_sweep_save_adapter(tmp_path):
+def test_kill_sweep_save_adapter(children):
     """SIGKILL at every step of two saves into an adapter holding layer 0 (layer 1 added at another rank, then
     layer 0 re-saved with another scale): each layer loads as one whole version, and a retry succeeds."""
-    base = tmp_path / "base"
-    v0 = _adapter(_cfg(0), 1, 2.0)
-    hf.save_adapter(v0, _cfg(0), 0, base, family="qwen3_moe")
-    saves = [(1, _adapter(_cfg(1), 2, 0.5, rank=3), _cfg(1)), (0, _adapter(_cfg(0), 3, 8.0), _cfg(0))]
-    params = tmp_path / "params.pkl"
-    params.write_bytes(pickle.dumps(saves))
-    out = _spawn(
-        {"mode": "sweep", "base": str(base), "work": str(tmp_path), "op": {"kind": "adapter", "params": str(params)}},
-        tmp_path,
-    )
+    out, v0, saves = children["adapter"], children["adapter_v0"], children["adapter_saves"]
     seen = set()
     for result in out["results"]:
         directory = result["dir"]
