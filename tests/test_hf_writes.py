@@ -305,6 +305,20 @@ def _assert_clean(directory):
     assert files == {"config.json", INDEX} | _referenced(directory), sorted(files)
 
 
+def _assert_leftovers(directory):
+    """What a killed save may leave beside the checkpoint: temporary files, and the journal with the files it
+    names (unreferenced new shards, or old ones the index no longer names), which the next save removes."""
+    journal = os.path.join(directory, ".moejax-journal.json")
+    named = set()
+    if os.path.exists(journal):
+        with open(journal) as f:
+            record = json.load(f)
+        named = {*record["created"], *record["obsolete"]}
+    allowed = {"config.json", INDEX, ".moejax.lock", ".moejax-journal.json"} | _referenced(directory) | named
+    extra = [f for f in os.listdir(directory) if f not in allowed and ".moejax-tmp-" not in f]
+    assert not extra, (directory, extra)
+
+
 def _transformers_state(directory):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -353,6 +367,7 @@ def test_kill_sweep_save_layer(children, blocks):
         directory = result["dir"]
         assert result["signal"] == signal.SIGKILL, result
         seen.append(_state(directory, old, new))
+        _assert_leftovers(directory)
         if original is not None:
             _check_transformers(directory, original)
         hf.save_layer(directory, SAVED, new)  # the retry
