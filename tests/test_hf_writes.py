@@ -621,15 +621,18 @@ def test_save_adapter_refuses_a_conflicting_config(tmp_path):
 
 
 def test_a_failed_adapter_weights_write_leaves_the_old_adapter(tmp_path, monkeypatch):
-    """ENOSPC while the weights are written: the old adapter loads with the alpha of its own weights."""
+    """ENOSPC while the weights are written, saving another alpha at the same rank (the config is kept, B
+    rescaled) and at another rank (the config changes): the old adapter loads with the alphas of its own
+    weights."""
     old = _adapter(_cfg(0), 1, 2.0)
     hf.save_adapter(old, _cfg(0), 0, tmp_path, family="qwen3_moe")
-    with monkeypatch.context() as mp:
-        Steps(at=1, action="fail", kinds=("write", "save_file"), where="adapter_model").install(mp.setattr)
-        with pytest.raises(OSError):
-            hf.save_adapter(_adapter(_cfg(0), 2, 8.0, rank=4), _cfg(0), 0, tmp_path, family="qwen3_moe")
-    _assert_deltas(hf.load_adapter(tmp_path, _cfg(0), 0), old, "the old adapter")
-    assert sorted(os.listdir(tmp_path)) == [".moejax.lock", "adapter_config.json", "adapter_model.safetensors"]
+    for rank in (2, 4):
+        with monkeypatch.context() as mp:
+            Steps(at=1, action="fail", kinds=("write", "save_file"), where="adapter_model").install(mp.setattr)
+            with pytest.raises(OSError):
+                hf.save_adapter(_adapter(_cfg(0), 2, 8.0, rank=rank), _cfg(0), 0, tmp_path, family="qwen3_moe")
+        _assert_deltas(hf.load_adapter(tmp_path, _cfg(0), 0), old, f"the old adapter (rank {rank} failed)")
+        assert sorted(os.listdir(tmp_path)) == [".moejax.lock", "adapter_config.json", "adapter_model.safetensors"]
 
 
 def test_kill_sweep_save_adapter(children):
