@@ -11,8 +11,10 @@ How the kills are placed (`Steps`): the saving process wraps the file-system cal
 for writing, writing its bytes, `os.fsync`, `os.replace` / `os.rename`, `os.unlink` / `os.remove`, safetensors'
 `save_file`) and numbers them; at step N it SIGKILLs itself (`os.kill(os.getpid(), SIGKILL)`; in a write, after
 half the bytes), or raises `OSError(ENOSPC)`. Kills run in one child process (`python tests/test_hf_writes.py
-spec.json`) that imports moejax once, counts the steps of a save, then forks one grandchild per step N, each
-saving into its own copy of the checkpoint; the test process then checks every copy.
+jobs.json`, the `children` fixture) that imports moejax once, counts the steps of a save, then forks one
+grandchild per step N, each saving into its own copy of the checkpoint with numpy params (no jax backend is
+started before a fork); the test process then checks every copy. The torch/transformers checks are skipped
+where those are not installed; everything else runs everywhere (POSIX: fork, flock).
 """
 
 from __future__ import annotations
