@@ -68,11 +68,6 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_bytes(f: Any, data: bytes | memoryview) -> None:
-    """The one place a transaction writes file contents (tests interrupt it here)."""
-    f.write(data)
-
-
 def _temporary(path: str, name: str) -> str:
     return os.path.join(path, f".{name}{TEMP_MARK}{secrets.token_hex(4)}")
 
@@ -105,7 +100,7 @@ def recover(path: str) -> None:
             names = [*record["created"], *record["obsolete"]]
             index = record["index"]
         except (ValueError, KeyError, TypeError):
-            names, index = [], None  # a journal that was never completed: nothing was placed after it
+            names, index = [], None  # not one of ours (a journal is renamed into place whole): it names nothing
         referenced = _referenced(path, index)
         for name in names:
             if os.path.normpath(name) not in referenced:
@@ -185,7 +180,7 @@ class Transaction:
     def _stage(self, name: str, data: bytes | memoryview) -> str:
         temporary = _temporary(self.path, name)
         with open(temporary, "xb") as f:
-            _write_bytes(f, data)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         return temporary
