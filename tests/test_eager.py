@@ -137,11 +137,13 @@ def test_eager_moe_forward_costs_about_the_jitted_call():
 
 
 def test_eager_route_is_cached():
-    cfg, params, x = _setup()
+    """T=7, a shape no other test here routes: on main the first call compiled each of route's ops."""
+    cfg, params, x = _setup(T=7)
     assert_eager_calls_are_cached(lambda: moejax.route(params, x, cfg))
 
 
 def test_eager_checked_forward_is_cached():
+    """A regression guard: `checked_moe_forward` was already one jitted program on main."""
     cfg, params, x = _setup()
     assert_eager_calls_are_cached(lambda: moejax.checked_moe_forward(params, x, cfg))
 
