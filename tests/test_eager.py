@@ -2,8 +2,9 @@
 about what the jitted call costs.
 
 On main (2eb62ec) every eager call compiled new programs (the plans' loops trace bodies that close over the
-call's arrays), took ~0.3-0.6 s on one device (5-20 s for `moe_forward_ep` on 8) and grew RSS by ~3.5 MB: every
-test here failed there (the compile count, at the second call).
+call's arrays), took ~0.2-0.4 s on one device (5-20 s for `moe_forward_ep` on 8) and grew RSS by several MB: every
+test here failed there (the compile count, at the second call), except the counter's own check and the
+`checked_moe_forward` guard (already one jitted program there).
 
 Compiles are counted with jax's monitoring event for backend compiles (every XLA program compiled, the eager
 op-by-op ones included); `test_compile_counter_sees_compiles` checks that the counter does see them.
