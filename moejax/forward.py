@@ -1,7 +1,8 @@
 """`moe_forward`: route, run the routed experts through an implementation, add the zero-expert and shared terms.
 
 The implementation of the routed experts is chosen by `impl=` in `moejax.backends` (the registry, with the
-list of implementations and the order `"auto"` tries them in).
+list of implementations and the order `"auto"` tries them in). Called outside jit, `moe_forward` runs through a
+cached `jax.jit` (`moejax.eager`): one compiled program per shape, not one per call.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from jax.experimental import checkify
 from moejax.backends import IMPLS, resolve_impl, run_routed
 from moejax.config import MoEConfig, ScalingTarget
 from moejax.data_parallel import mesh_of, over_rows
+from moejax.eager import cached_when_eager
 from moejax.experts import expert_activation, shared_expert_ffn, slots_from_routing
 from moejax.lora import LoRAParams, SharedLoRA, check_lora, clamp_ids
 from moejax.params import MoEParams, SharedParams, check_params
@@ -65,6 +67,7 @@ def check_lora_inputs(lora: LoRAParams | None, adapter_ids, x: Array, cfg: MoECo
     return adapter_ids
 
 
+@cached_when_eager(static_argnames=("cfg", "impl", "return_stats"), host_id_args=("token_ids", "adapter_ids"))
 def moe_forward(
     params: MoEParams,
     x: Array,

@@ -45,6 +45,12 @@ from moejax.weights import LAYOUTS, ExpertFormat, ExpertWeights, Layout, default
 Array = jax.Array
 
 
+@jax.jit
+def _accumulate(total: MoEStats, stats: MoEStats) -> MoEStats:
+    """`total + stats` as one program (cached), not one eager op per field at every eager call."""
+    return total + stats
+
+
 class MoEBuffer(nnx.Variable):
     """A non-trainable array of the layer (correction bias, token-id table)."""
 
@@ -292,7 +298,7 @@ class MoE(nnx.Module):
             return result
         y, stats = result
         if self.collect_stats:
-            self.stats.set_value(self.stats.get_value() + stats)
+            self.stats.set_value(_accumulate(self.stats.get_value(), stats))
         return (y, stats) if return_stats else y
 
     def _forward_ep(self, x: Array, token_ids: Array | None, return_stats: bool, lora, adapter_ids):

@@ -79,6 +79,7 @@ from jax.sharding import PartitionSpec as P
 from moejax.analysis import expert_load
 from moejax.backends import may_run_kernels, run_routed
 from moejax.config import MoEConfig, SharedExpert
+from moejax.eager import cached_when_eager
 from moejax.experts import Slots, expert_activation, slots_from_routing
 from moejax.forward import add_once_terms, check_inputs, check_lora_inputs, expert_input
 from moejax.lora import ExpertLoRA, LoRAPair, LoRAParams, SharedLoRA, check_lora, clamp_ids, from_pairs
@@ -754,6 +755,21 @@ def _adapter_rows(
     return None if ids is None else clamp_ids(ids.reshape(-1), lora.num_ids)
 
 
+# Static under the jit of eager calls (`moejax.eager`): a new mesh, mode or placement is a new program.
+_EP_STATIC = (
+    "cfg",
+    "mesh",
+    "expert_axis",
+    "tensor_axis",
+    "mode",
+    "impl",
+    "return_stats",
+    "placement",
+    "capacity_factor",
+)
+
+
+@cached_when_eager(static_argnames=_EP_STATIC, host_id_args=("adapter_ids",))
 def moe_forward_ep(
     params: MoEParams,
     x: Array,

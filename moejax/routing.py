@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import MoEConfig, ScalingTarget, ScoreOrder, Scoring
+from moejax.eager import cached_when_eager
 from moejax.lora import LoRAPair, add_delta, pair_delta
 from moejax.params import RouterParams
 
@@ -163,6 +164,7 @@ def hash_indices(tid2eid: Array, token_ids: Array, cfg: MoEConfig) -> Array:
     return jnp.clip(tid2eid[rows].astype(jnp.int32), 0, cfg.num_selectable - 1)
 
 
+@cached_when_eager(static_argnames=("cfg",), host_id_args=("token_ids", "adapter"))
 def route(
     params,
     x: Array,
