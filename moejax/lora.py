@@ -208,8 +208,9 @@ def pair_delta(pair: LoRAPair | None, x: Array, adapter: Array) -> Array | None:
         xa = jnp.einsum("ri,rki->rk", x32, a) * pair.scale[adapter].astype(jnp.float32)[:, None]  # [R, r]
         return jnp.einsum("rk,rok->ro", xa, b)  # [R, out]
     n = pair.scale.shape[0]
-    scale = pair.scale.astype(jnp.float32)[:, None, None]
-    xa = jnp.einsum("ri,nki->nrk", x32, pair.a.astype(jnp.float32)) * scale  # [n+1, R, r]
+    # [R, n+1, r]: this orientation keeps a row's bits independent of R on XLA:CPU (batch invariance); [n+1, R, r]
+    # does not at R = 32
+    xa = jnp.einsum("ri,nki->rnk", x32, pair.a.astype(jnp.float32)) * pair.scale.astype(jnp.float32)[:, None]
 
     # One adapter at a time, kept where the row's id is j: a select, not a sum of products masked by 0, so that
     # 0·inf = NaN from another adapter never enters a row. A scan, so the program does not grow with n.
@@ -219,7 +220,7 @@ def pair_delta(pair: LoRAPair | None, x: Array, adapter: Array) -> Array | None:
         return jnp.where((adapter == j)[:, None], y, delta), None
 
     delta = jnp.zeros((x.shape[0], pair.b.shape[-2]), jnp.float32)
-    delta, _ = jax.lax.scan(keep_own, delta, (jnp.arange(n, dtype=jnp.int32), xa, pair.b))
+    delta, _ = jax.lax.scan(keep_own, delta, (jnp.arange(n, dtype=jnp.int32), jnp.swapaxes(xa, 0, 1), pair.b))
     return delta  # [R, out]
 
 

@@ -12,6 +12,7 @@ One small config (qwen2_moe: every target, with a sigmoid-gated shared expert); 
 as arguments, so the clean and the poisoned stack share one compiled program.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -24,16 +25,18 @@ from flax import nnx
 from jax.experimental import checkify
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from multihost_worker import numpy_params
 
 import moejax
 from moejax import hf, parallel
 from moejax.lora import LoRAPair, LoRAParams, _target_shapes, from_pairs, pair_delta, stack
+from moejax.weights import to_layout
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # compile time
 CFG = moejax.MoEConfig.preset(
-    "qwen2_moe", num_experts=8, top_k=2, hidden_size=16, intermediate_size=8, shared_intermediate_size=8
+    "qwen2_moe", num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, shared_intermediate_size=8
 )
 PLANS = ("xla_decode", "xla_grouped", "cpu_decode", "cpu_grouped")
 WIDE = 2**32 + 1  # wraps to adapter 1 in an int32 cast
@@ -56,8 +59,8 @@ def _adapter(seed: int, rank: int = 2, poison: str | None = None) -> LoRAParams:
 
 @functools.cache
 def _setup():
-    params = moejax.init_params(CFG, jax.random.key(0), jnp.float32)
-    per_expert = moejax.init_params(CFG, jax.random.key(0), jnp.float32, layout="per_expert")
+    params = numpy_params(CFG, 0)
+    per_expert = dataclasses.replace(params, experts=to_layout(params.experts, "per_expert"))
     clean = stack([_adapter(1), _adapter(2), _adapter(3)])
     return params, per_expert, clean
 
@@ -130,92 +133,92 @@ def test_an_adapter_holding_inf_leaves_other_rows_alone(T):
 
 # -- ids of any integer type ---------------------------------------------------------------------------------------
 
-# Where the reference ids are 0, hostile ids that wrap into 1..3 (or stay out of range) in an int32 cast.
-CLEAN_IDS = np.array([0, 1, 0, 2, 0, 3, 0, 1])
+# Ids that wrap into 1..3 (or stay out of range) in an int32 cast, where the clean ids are 0.
+CLEAN_IDS = np.array([0, 1, 0, 3])
 HOSTILE = {
-    "int64": np.array([WIDE, 1, -(2**32) + 2, 2, 2**33 + 3, 3, -1, 1], np.int64),
-    "uint64": np.array([WIDE, 1, 2**64 - 1, 2, 2**32 + 2, 3, 2**63 + 1, 1], np.uint64),
-    "uint32": np.array([2**32 - 1, 1, 2**31 + 1, 2, 4, 3, 2**31, 1], np.uint32),
-    "int8": np.array([-1, 1, 127, 2, -128, 3, 4, 1], np.int8),
-    "list": [WIDE, 1, 2**64 + 2, 2, -(2**32) + 3, 3, 2**63, 1],
+    "int64": np.array([WIDE, 1, -(2**32) + 3, 3], np.int64),
+    "uint64": np.array([2**64 - 1, 1, 2**32 + 2, 3], np.uint64),
+    "uint32": np.array([2**32 - 1, 1, 2**31 + 1, 3], np.uint32),
+    "int8": np.array([-1, 1, 127, 3], np.int8),
+    "list": [WIDE, 1, 2**64 + 2, 3],
 }
 
 
-def _x():
-    return jax.random.normal(jax.random.key(7), (len(CLEAN_IDS), CFG.hidden_size))
+def _batch(kind: str, hostile=None):
+    """x [8, H]: two copies of 4 rows, with ids (clean, hostile) in one host array or list of `kind`'s type, passed to
+    the forward as they are (constants of the trace, as in an eager call)."""
+    hostile = HOSTILE[kind] if hostile is None else hostile
+    x = jnp.tile(jax.random.normal(jax.random.key(7), (len(CLEAN_IDS), CFG.hidden_size)), (2, 1))
+    if kind == "list":
+        return x, [*CLEAN_IDS.tolist(), *hostile]
+    return x, np.concatenate([CLEAN_IDS.astype(HOSTILE[kind].dtype), hostile])
 
 
-@functools.cache
-def _one_device():
-    """One device: the output with CLEAN_IDS, with ids 1 where CLEAN_IDS is 0 (what a wrap would give), and with
-    each kind of HOSTILE ids (host values reaching moe_forward as constants of the trace, as in an eager call) and
-    a device uint32 array. One program."""
-    params, _, clean = _setup()
-
-    @functools.partial(jax.jit, compiler_options=FAST)
-    def run(params, x, lora, device_ids):
-        fwd = lambda ids: moejax.moe_forward(params, x, CFG, lora=lora, adapter_ids=ids)
-        wrapped = np.where(CLEAN_IDS == 0, 1, CLEAN_IDS).astype(np.int32)
-        ids = [CLEAN_IDS.astype(np.int32), wrapped, *HOSTILE.values(), device_ids]
-        return [fwd(i) for i in ids]
-
-    device_ids = jnp.asarray(HOSTILE["uint32"])  # a uint32 array on the device: compared in its own type
-    want, wrapped, *got = map(np.asarray, run(params, _x(), clean, device_ids))
-    assert np.abs(want - wrapped)[CLEAN_IDS == 0].max() > 1e-2  # a wrap to adapter 1 would show
-    return want, dict(zip([*HOSTILE, "uint32 on device"], got, strict=True))
+def _check_batch(y, what: str, tol: float = 2e-5):
+    """The hostile copy equals the clean one (adapter 0 where the clean ids are 0)."""
+    clean, hostile = np.split(np.asarray(y), 2)
+    np.testing.assert_allclose(hostile, clean, rtol=tol, atol=tol, err_msg=what)
 
 
 def test_ids_of_any_integer_type_clamp_to_no_adapter():
-    """moe_forward with host int64 / uint64 / uint32 / int8 arrays, a Python list of big ints and a device uint32
-    array: out-of-range ids give adapter 0 (the int32 reference), never the adapter their low bits name."""
-    want, got = _one_device()
-    for kind, y in got.items():
-        np.testing.assert_array_equal(y, want, err_msg=kind)
-    params, _, clean = _setup()  # an eager call: the host ids reach the public entry point as they are
-    eager = moejax.moe_forward(params, _x(), CFG, lora=clean, adapter_ids=HOSTILE["int64"])
-    np.testing.assert_allclose(np.asarray(eager), want, rtol=1e-6, atol=1e-6)
+    """Host int64 / uint64 / uint32 / int8 arrays, a Python list of big ints and a device uint32 array: ids outside
+    the stack give adapter 0, never the adapter their low bits name; through moe_forward for host int64 ids and a
+    list (constants of the trace: what an eager call passes, without compiling op by op)."""
     expect = np.where(CLEAN_IDS == 0, 0, CLEAN_IDS)
-    for kind, ids in HOSTILE.items():
+    for kind, ids in [*HOSTILE.items(), ("uint32 on device", jnp.asarray(HOSTILE["uint32"]))]:
         np.testing.assert_array_equal(moejax.lora.clamp_ids(ids, 4), expect, err_msg=kind)
     with pytest.raises(TypeError, match="integers"):
         moejax.lora.as_adapter_ids([0.5, 1], 4)
+    params, _, clean = _setup()
+    (x, ids64), (_, ids_list) = _batch("int64"), _batch("list")
+    _, wrapped = _batch("int64", np.where(CLEAN_IDS == 0, 1, CLEAN_IDS))  # what a wrap to adapter 1 gives
+    run = jax.jit(
+        lambda params, x, lora: [
+            moejax.moe_forward(params, x, CFG, lora=lora, adapter_ids=i) for i in (ids64, ids_list, wrapped)
+        ],
+        compiler_options=FAST,
+    )
+    y64, ylist, ywrapped = run(params, x, clean)
+    _check_batch(y64, "int64", tol=1e-6)
+    _check_batch(ylist, "list", tol=1e-6)
+    with pytest.raises(AssertionError):  # the check would see a wrap
+        _check_batch(ywrapped, "wrapped")
 
 
 def test_wide_ids_clamp_on_the_data_parallel_ep_and_layer_paths():
-    """Host int64 ids of 2**32 + 1 (and a list) are adapter 0 with x split over a data axis, under EP in both modes
-    (the psum of "replicated" and the rows carrying their ids in "all_to_all") and through the nnx layer."""
+    """Host ids of 2**32 + 1 and the like are adapter 0 with x split over a data axis, under EP in both modes (the
+    psum of "replicated" and the rows carrying their ids in "all_to_all") and through the nnx layer: one program."""
     params, _, clean = _setup()
-    want, _ = _one_device()
-    data = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    (x, ids64), (_, ids_u64), (_, ids_list) = _batch("int64"), _batch("uint64"), _batch("list")
     mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
     sharded, placed = parallel.shard_params(params, CFG, mesh), parallel.shard_lora(clean, CFG, mesh)
     ep = functools.partial(parallel.moe_forward_ep, cfg=CFG, mesh=mesh, lora=placed)
+    layer = nnx.eval_shape(lambda: moejax.MoE(CFG, rngs=nnx.Rngs(0), layout="stacked"))  # no init to compile
+    layer.load_params(params)
+    layer.set_lora(clean)
+    graph, state = nnx.split(layer)
 
     @functools.partial(jax.jit, compiler_options=FAST)
-    def run(params, sharded, x, split, lora):
+    def run(params, sharded, x, split, lora, state):
         return (
-            moejax.moe_forward(params, split, CFG, lora=lora, adapter_ids=HOSTILE["int64"]),
-            ep(sharded, x, mode="replicated", adapter_ids=HOSTILE["int64"]),
-            ep(sharded, x, mode="all_to_all", adapter_ids=HOSTILE["list"]),
+            moejax.moe_forward(params, split, CFG, lora=lora, adapter_ids=ids64),
+            ep(sharded, x, mode="replicated", adapter_ids=ids_u64),
+            ep(sharded, x, mode="all_to_all", adapter_ids=ids_list),
+            nnx.merge(graph, state)(x, adapter_ids=ids64),
         )
 
-    x = _x()
+    data = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     split = jax.device_put(x, NamedSharding(data, P("data")))
-    ys = run(params, sharded, x, split, clean)
-    for what, y in zip(("data-parallel", "EP replicated", "EP all_to_all"), ys, strict=True):
-        np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5, err_msg=what)
-
-    layer = moejax.MoE(CFG, rngs=nnx.Rngs(0), lora=clean)
-    layer.load_params(params)
-    y = nnx.jit(lambda layer, x: layer(x, adapter_ids=HOSTILE["uint64"]))(layer, x)
-    np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5, err_msg="nnx layer")
+    ys = run(params, sharded, x, split, clean, state)
+    for what, y in zip(("data-parallel", "EP replicated", "EP all_to_all", "nnx layer"), ys, strict=True):
+        _check_batch(y, what)
 
 
 def test_checked_forward_raises_for_wide_ids():
     """checked_moe_forward raises for ids outside [0, n] of every integer type (ids a wrap would have hidden as
-    adapters 1..3), on one device and with parameters laid out for EP and x split over a data axis."""
+    adapters 1..3), on one device and with parameters laid out for EP and x split over their mesh."""
     params, _, clean = _setup()
-    x = _x()
+    x = _batch("int64")[0][: len(CLEAN_IDS)]
     for kind in ("int64", "uint64", "list"):
         with pytest.raises(checkify.JaxRuntimeError, match="adapter_ids outside"):
             moejax.checked_moe_forward(params, x, CFG, lora=clean, adapter_ids=HOSTILE[kind])
@@ -238,8 +241,8 @@ def test_scalar_scales_are_accepted(tmp_path):
         assert not one.is_stack
         moejax.lora.check_lora(one, CFG)
         np.testing.assert_array_equal(stack([one]).router.scale, [0.0, 0.5])
-        merged = moejax.lora.merge(params, one)
-        np.testing.assert_allclose(merged.router.kernel, moejax.lora.merge(params, _adapter(1)).router.kernel)
+    merged = moejax.lora.merge(params, one)
+    np.testing.assert_allclose(merged.router.kernel, moejax.lora.merge(params, _adapter(1)).router.kernel)
     hf.save_adapter(one, CFG, 1, tmp_path / "a", family="qwen2_moe")
     assert float(hf.load_adapter(tmp_path / "a", CFG, 1).router.scale) == 0.5
 
