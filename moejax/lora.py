@@ -213,14 +213,16 @@ def pair_delta(pair: LoRAPair | None, x: Array, adapter: Array) -> Array | None:
     xa = jnp.einsum("ri,nki->rnk", x32, pair.a.astype(jnp.float32)) * pair.scale.astype(jnp.float32)[:, None]
 
     # One adapter at a time, kept where the row's id is j: a select, not a sum of products masked by 0, so that
-    # 0·inf = NaN from another adapter never enters a row. A scan, so the program does not grow with n.
+    # 0·inf = NaN from another adapter never enters a row. A scan, so the program does not grow with n. Id 0 (no
+    # adapter: zeros, and `add_delta` keeps the base on its rows) is skipped: its rows keep a zero delta.
     def keep_own(delta: Array, step: tuple[Array, Array, Array]) -> tuple[Array, None]:
         j, xa_j, b_j = step  # (), [R, r], [out, r]
         y = jnp.einsum("rk,ok->ro", xa_j, b_j.astype(jnp.float32))  # [R, out]
         return jnp.where((adapter == j)[:, None], y, delta), None
 
     delta = jnp.zeros((x.shape[0], pair.b.shape[-2]), jnp.float32)
-    delta, _ = jax.lax.scan(keep_own, delta, (jnp.arange(n, dtype=jnp.int32), jnp.swapaxes(xa, 0, 1), pair.b))
+    steps = (jnp.arange(1, n, dtype=jnp.int32), jnp.swapaxes(xa, 0, 1)[1:], pair.b[1:])
+    delta, _ = jax.lax.scan(keep_own, delta, steps)
     return delta  # [R, out]
 
 
