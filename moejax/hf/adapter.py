@@ -324,11 +324,14 @@ def load_adapter(
       not its MoE block), arrays in the file's dtype, scales float32.
 
     Raises:
-      ValueError: missing files; no key of the file names layer `layer_idx` (the message lists the layers it
-        has); a key of the block that is not a LoRA target moejax knows; a shape that does not fit `cfg` or the
-        config's rank (the message names the key and both shapes).
-      NotImplementedError: a PEFT method or option other than plain LoRA (DoRA, lora_bias, ...), per-expert keys
-        with different ranks or scales.
+      ValueError: missing files; an adapter_config.json that is not UTF-8 JSON of an object, or whose r, alpha,
+        patterns (a bad regex) or flags have the wrong type (the message names the file and the field); r <= 0 for
+        a target; no key of the file names layer `layer_idx` (the message lists the layers it has); a key of the
+        block that is not a LoRA target moejax knows; a shape that does not fit `cfg` or the config's rank (the
+        message names the key and both shapes).
+      NotImplementedError: a PEFT method or option other than plain LoRA (DoRA, lora_bias, ...), an
+        `init_lora_weights` that assumes a modified base model (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), per-expert
+        keys with different ranks or scales.
     """
     adapter_dir = os.fspath(adapter_dir)
     config, weights_path, head = _read(adapter_dir)
