@@ -198,7 +198,7 @@ def pair_delta(pair: LoRAPair | None, x: Array, adapter: Array) -> Array | None:
     (prefill blocks) read every adapter's A and B once, compute each adapter's product for the block and keep
     each row's own by selection. Either way a row's delta is computed on its own: it depends only on its x, its
     id and its own adapter (an inf or NaN in another adapter does not reach it), and the form depends only on the
-    static row count.
+    static row count. Rows with id 0 (no adapter: zeros in a stack) get 0 in the prefill form without reading it.
     """
     if pair is None:
         return None

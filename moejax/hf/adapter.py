@@ -147,10 +147,10 @@ def _check_init(init: Any, path: str) -> None:
     if isinstance(init, str) and init.lower() in _BASE_KEPT_INITS:
         return
     raise NotImplementedError(
-        f"{path}: init_lora_weights={init!r} is not supported: its A and B were initialised from the base weights, "
-        "which peft modified to match (only init_lora_weights in true, false, 'gaussian', 'eva', 'orthogonal', "
-        "'mica' apply to the unmodified base). Convert it to a plain LoRA first: peft's save_pretrained(..., "
-        "path_initial_model_for_weight_conversion=...)"
+        f"{path}: init_lora_weights={init!r} is not supported: moejax adds the adapter to the unmodified base "
+        "weights, which only init_lora_weights true, false, 'gaussian', 'eva', 'orthogonal' and 'mica' keep "
+        "(PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA modify the base to match their initial A and B). Convert it to a "
+        "plain LoRA first: peft's save_pretrained(..., path_initial_model_for_weight_conversion=...)"
     )
 
 
