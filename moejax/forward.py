@@ -21,7 +21,7 @@ from moejax.config import MoEConfig, ScalingTarget
 from moejax.data_parallel import mesh_of, over_rows
 from moejax.eager import cached_when_eager
 from moejax.experts import expert_activation, shared_expert_ffn, slots_from_routing
-from moejax.lora import LoRAParams, SharedLoRA, check_lora, clamp_ids
+from moejax.lora import LoRAParams, SharedLoRA, as_adapter_ids, check_lora, clamp_ids
 from moejax.params import MoEParams, SharedParams, check_params
 from moejax.routing import Routing, as_token_ids, check_route_inputs, rms_normalize, route, router_logits
 from moejax.stats import MoEStats, routing_stats
@@ -39,9 +39,11 @@ def check_inputs(params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array |
 
 
 def check_lora_inputs(lora: LoRAParams | None, adapter_ids, x: Array, cfg: MoEConfig):
-    """The adapter ids as an integer array (host lists converted), after trace-time checks: `lora` and
-    `adapter_ids` both or neither, `lora` a stack fitting `cfg` (`moejax.lora.check_lora`), ids integer with
-    shape `x.shape[:-1]`. Raises `TypeError`/`ValueError` naming the argument and both shapes."""
+    """The adapter ids as an integer array, after trace-time checks: `lora` and `adapter_ids` both or neither,
+    `lora` a stack fitting `cfg` (`moejax.lora.check_lora`), ids integer with shape `x.shape[:-1]`. Host ids (a
+    list, a numpy array of any integer type) become int32 without wrapping (`moejax.lora.as_adapter_ids`: an id
+    outside the stack stays outside, for the clamp and the checked forward). Raises `TypeError`/`ValueError`
+    naming the argument and both shapes."""
     if lora is None and adapter_ids is None:
         return None
     if lora is None:
@@ -56,8 +58,9 @@ def check_lora_inputs(lora: LoRAParams | None, adapter_ids, x: Array, cfg: MoECo
             "use moejax.lora.stack([adapter]) and adapter_ids=1 for its rows (0 = no adapter)"
         )
     check_lora(lora, cfg)
+    adapter_ids = as_adapter_ids(adapter_ids, lora.num_ids)  # host ids: clipped in their own type, never wrapped
     if not hasattr(adapter_ids, "shape") or not hasattr(adapter_ids, "dtype"):
-        adapter_ids = jnp.asarray(adapter_ids, jnp.int32)
+        raise TypeError(f"adapter_ids must be an integer array or a list of ints, got {type(adapter_ids).__name__}")
     if tuple(adapter_ids.shape) != tuple(x.shape[:-1]):
         raise ValueError(
             f"adapter_ids must have shape x.shape[:-1]={tuple(x.shape[:-1])}, got {tuple(adapter_ids.shape)}"

@@ -23,14 +23,15 @@ float32 the two agree to the model dtype's rounding. Rows with adapter id 0 get 
 
 The shapes used by the plans: `pair_delta(pair, x, adapter)` for one target of one expert of a stack
 (`pair.a [n+1, r, in]`). Decode-sized calls gather each row's own adapter; prefill blocks read every adapter of
-the expert once and mask by the rows' ids (less traffic than a gathered copy per row); a row's delta never
-depends on its neighbours' adapters. `expert_ffn(w, x, act, lora, adapter)` is one expert's FFN with those
-deltas, over any weight format's `gate_up` / `down_proj` (the reference, every XLA/CPU plan and the shared
-expert call it).
+the expert once and each row selects its own adapter's product (less traffic than a gathered copy per row); a
+row's delta never depends on its neighbours' adapters, not even on their values being finite: adapter-dependent
+values are combined across adapters by selection (`where`), never by multiplying by a 0/1 mask (0·inf = NaN).
+`expert_ffn(w, x, act, lora, adapter)` is one expert's FFN with those deltas, over any weight format's `gate_up` /
+`down_proj` (the reference, every XLA/CPU plan and the shared expert call it).
 
-Also here: `check_lora` (shapes against a `MoEConfig`, errors naming the target), `clamp_ids` (ids outside the
-stack -> 0 inside jit), `select` (one adapter of a stack), and `merge` / `unmerge` (fold one adapter into the
-weights of a `MoEParams`).
+Also here: `check_lora` (shapes against a `MoEConfig`, errors naming the target), `as_adapter_ids` (host ids of
+any integer type to int32 without wrapping), `clamp_ids` (ids outside the stack -> 0 inside jit), `select` (one
+adapter of a stack), and `merge` / `unmerge` (fold one adapter into the weights of a `MoEParams`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -53,7 +55,7 @@ class LoRAPair:
     """One LoRA target: `ΔW = scale · b @ a` (per expert where the arrays have an expert axis).
 
     a: `[..., r, in]`. b: `[..., out, r]`. scale: float32 `[...]` (the adapter axis of a stack; () for one
-    adapter), s = alpha / r or alpha / √r.
+    adapter: an array, a numpy scalar or a Python float), s = alpha / r or alpha / √r.
     """
 
     a: Array
@@ -116,7 +118,7 @@ class LoRAParams:
     @property
     def is_stack(self) -> bool:
         """Whether this is a stack (`scale` has the adapter axis) rather than one adapter."""
-        return any(p.scale.ndim == 1 for p in self.pairs().values())
+        return any(np.ndim(p.scale) == 1 for p in self.pairs().values())
 
     @property
     def num_ids(self) -> int:
@@ -193,9 +195,10 @@ def pair_delta(pair: LoRAPair | None, x: Array, adapter: Array) -> Array | None:
 
     None when the target has no adapter. Up to GATHER_MAX_ROWS rows (decode) each row gathers its own adapter's
     A and B (R copies of r·(in+out) values: fewer bytes than every adapter's, and no masked work); more rows
-    (prefill blocks) read every adapter's A and B once and keep each row's own terms by a mask. Either way a
-    row's delta is computed on its own (a batch dimension, or a mask of its own id): it depends only on its x and
-    id, and the form depends only on the static row count.
+    (prefill blocks) read every adapter's A and B once, compute each adapter's product for the block and keep
+    each row's own by selection. Either way a row's delta is computed on its own: it depends only on its x, its
+    id and its own adapter (an inf or NaN in another adapter does not reach it), and the form depends only on the
+    static row count. Rows with id 0 (no adapter: zeros in a stack) get 0 in the prefill form without reading it.
     """
     if pair is None:
         return None
@@ -205,9 +208,22 @@ def pair_delta(pair: LoRAPair | None, x: Array, adapter: Array) -> Array | None:
         xa = jnp.einsum("ri,rki->rk", x32, a) * pair.scale[adapter].astype(jnp.float32)[:, None]  # [R, r]
         return jnp.einsum("rk,rok->ro", xa, b)  # [R, out]
     n = pair.scale.shape[0]
-    xa = jnp.einsum("ri,nki->rnk", x32, pair.a.astype(jnp.float32))  # [R, n+1, r]
-    mask = jax.nn.one_hot(adapter, n, dtype=jnp.float32) * pair.scale.astype(jnp.float32)  # [R, n+1]
-    return jnp.einsum("rnk,nok->ro", xa * mask[:, :, None], pair.b.astype(jnp.float32))  # [R, out]
+    # [R, n+1, r]: this orientation keeps a row's bits independent of R on XLA:CPU (batch invariance); [n+1, R, r]
+    # does not at R = 32
+    xa = jnp.einsum("ri,nki->rnk", x32, pair.a.astype(jnp.float32)) * pair.scale.astype(jnp.float32)[:, None]
+
+    # One adapter at a time, kept where the row's id is j: a select, not a sum of products masked by 0, so that
+    # 0·inf = NaN from another adapter never enters a row. A scan, so the program does not grow with n. Id 0 (no
+    # adapter: zeros, and `add_delta` keeps the base on its rows) is skipped: its rows keep a zero delta.
+    def keep_own(delta: Array, step: tuple[Array, Array, Array]) -> tuple[Array, None]:
+        j, xa_j, b_j = step  # (), [R, r], [out, r]
+        y = jnp.einsum("rk,ok->ro", xa_j, b_j.astype(jnp.float32))  # [R, out]
+        return jnp.where((adapter == j)[:, None], y, delta), None
+
+    delta = jnp.zeros((x.shape[0], pair.b.shape[-2]), jnp.float32)
+    steps = (jnp.arange(1, n, dtype=jnp.int32), jnp.swapaxes(xa, 0, 1)[1:], pair.b[1:])
+    delta, _ = jax.lax.scan(keep_own, delta, steps)
+    return delta  # [R, out]
 
 
 def add_delta(y: Array, delta: Array | None, adapter: Array) -> Array:
@@ -242,10 +258,43 @@ def expert_ffn(w: Any, x: Array, act: Any, lora: Any = None, adapter: Array | No
     return y[:R]
 
 
+def as_adapter_ids(adapter_ids, num_ids: int):
+    """`adapter_ids` as an integer array without wrapping: host values (a list, a numpy array or scalar) are first
+    clipped to [-1, num_ids] on the host, in their own integer type, then cast to int32, so an id of 2**32 + 1 in a
+    host int64 / uint64 array (or a Python int) stays out of range (-> 0 by `clamp_ids`; `checked_moe_forward`
+    raises) instead of wrapping to 1. Device arrays (any integer dtype) and tracers pass through: `clamp_ids`
+    compares them in their own type.
+
+    Raises:
+      TypeError: host values that are not integers.
+    """
+    if adapter_ids is None or isinstance(adapter_ids, jax.Array):
+        return adapter_ids
+    if not isinstance(adapter_ids, (list, tuple, np.ndarray, np.integer, int)):
+        return adapter_ids  # another array type: `moejax.forward.check_lora_inputs` checks it
+    if isinstance(adapter_ids, (list, tuple, int)):
+        # Python ints, clipped one by one: numpy would make [-1, 2**63] float64 and 2**64 an object
+        host = np.asarray(adapter_ids, dtype=object)
+        flat = host.reshape(-1).tolist()
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in flat):
+            raise TypeError(f"adapter_ids must be integers, got {sorted({type(v).__name__ for v in flat})}")
+        host = np.array([min(max(int(v), -1), num_ids) for v in flat], np.int64).reshape(host.shape)
+    else:
+        host = np.asarray(adapter_ids)
+    if host.size == 0:
+        host = host.astype(np.int64)
+    if not np.issubdtype(host.dtype, np.integer):
+        raise TypeError(f"adapter_ids must be integers, got dtype {host.dtype}")
+    unsigned = np.issubdtype(host.dtype, np.unsignedinteger)
+    host = np.minimum(host, num_ids) if unsigned else np.clip(host, -1, num_ids)  # in the ids' own type
+    return jnp.asarray(host.astype(np.int32))
+
+
 def clamp_ids(adapter_ids: Array, num_ids: int) -> Array:
     """Adapter ids as int32, those outside [0, num_ids) replaced by 0 (no adapter): inside jit ids cannot raise
-    (`moejax.checked_moe_forward` raises instead)."""
-    ids = jnp.asarray(adapter_ids)
+    (`moejax.checked_moe_forward` raises instead). The comparison runs in the ids' own integer type (a uint32 id
+    >= 2**31 is large, not negative) and host ids go through `as_adapter_ids` first (no wrap on the int32 cast)."""
+    ids = jnp.asarray(as_adapter_ids(adapter_ids, num_ids))
     ok = (ids >= 0) & (ids < num_ids)
     return jnp.where(ok, ids, 0).astype(jnp.int32)
 
@@ -277,7 +326,7 @@ def check_lora(lora: LoRAParams, cfg) -> None:
     allowed = _target_shapes(cfg)
     pairs = lora.pairs()
     stacked = lora.is_stack
-    ids = {p.scale.shape[0] for p in pairs.values() if p.scale.ndim == 1}
+    ids = {np.shape(p.scale)[0] for p in pairs.values() if np.ndim(p.scale) == 1}
     if len(ids) > 1:
         raise ValueError(f"lora: targets of one stack hold different numbers of adapter ids {sorted(ids)}")
     n = tuple(ids) if stacked else ()

@@ -141,8 +141,8 @@ def test_different_ranks_padded_exactly():
 
 
 def test_both_forms_of_the_row_delta_equal_the_per_row_formula():
-    """Up to GATHER_MAX_ROWS rows each row gathers its own adapter; more rows use the masked read of every
-    adapter: both give each row `s[id]·(x·A[id]ᵀ)·B[id]ᵀ`."""
+    """Up to GATHER_MAX_ROWS rows each row gathers its own adapter; more rows read every adapter and each row
+    selects its own: both give each row `s[id]·(x·A[id]ᵀ)·B[id]ᵀ`."""
     pair = LORA.router
     for R in (moejax.lora.GATHER_MAX_ROWS, moejax.lora.GATHER_MAX_ROWS + 5):
         x = jax.random.normal(jax.random.key(R), (R, CFG.hidden_size))

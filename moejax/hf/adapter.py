@@ -51,6 +51,14 @@ _UNSUPPORTED: dict[str, Any] = {
     "arrow_config": None,
     "monteclora_config": None,
 }
+# init_lora_weights values whose saved A and B apply to the unmodified base weights (peft 0.21,
+# `LoraLayer.update_layer`): the default (True), random (False), "gaussian"; "eva" (B = 0, A from activations),
+# "orthogonal" and "mica" (B·A = 0 at init, the base left untouched). The others ("pissa", "pissa_niter_<n>", "olora",
+# "corda", "loftq", "lora_ga", and any value peft adds later) move part of W into the initial A and B, or quantize W:
+# such an adapter only fits that modified base, so it is refused (as peft's own merge would be wrong on the original).
+_BASE_KEPT_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica")
+_PEFT_DEFAULT_R = 8  # LoraConfig.r
+_PEFT_DEFAULT_ALPHA = 8  # LoraConfig.lora_alpha
 _LORA_KEY = re.compile(r"^(.*)\.lora_([AB])\.weight$")
 _LAYER_KEY = re.compile(r"\blayers\.(\d+)\.")
 _SHARED_GATE = "shared_expert_gate"  # Qwen2-MoE / Qwen3-Next / Qwen3.5: nn.Linear(H, 1) on the block
@@ -65,10 +73,10 @@ _GUD = ("gate", "up", "down")
 class AdapterConfig:
     """What `load_adapter` reads of `adapter_config.json`.
 
-    r / lora_alpha: the defaults; rank_pattern / alpha_pattern: per target, the first pattern p (in the file's
-    order) with `re.match(rf"(.*\\.)?({p})$", name)` wins (peft.utils.other.get_pattern_key), where name is the
-    module name (`model.layers.1.mlp.shared_expert.up_proj`) or, for a parameter target, module + parameter
-    (`model.layers.1.mlp.experts.gate_up_proj`).
+    r / lora_alpha: the defaults (peft's 8 and 8 when the file has none); rank_pattern / alpha_pattern: per target,
+    the first pattern p (in the file's order) with `re.match(rf"(.*\\.)?({p})$", name)` wins
+    (peft.utils.other.get_pattern_key), where name is the module name (`model.layers.1.mlp.shared_expert.up_proj`)
+    or, for a parameter target, module + parameter (`model.layers.1.mlp.experts.gate_up_proj`).
     """
 
     r: int
@@ -78,9 +86,14 @@ class AdapterConfig:
     alpha_pattern: Mapping[str, float] = dataclasses.field(default_factory=dict)
     target_parameters: tuple[str, ...] = ()
     raw: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    path: str = CONFIG
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any], path: str = CONFIG) -> AdapterConfig:
+        """Raises `NotImplementedError` for a PEFT method or option moejax does not apply (DoRA, PiSSA-like
+        initialisations, ...) and `ValueError` naming `path` and the field for a malformed value."""
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
         peft_type = raw.get("peft_type")
         if peft_type != "LORA":
             raise NotImplementedError(f"{path}: peft_type={peft_type!r}; only LoRA adapters (peft_type='LORA') load")
@@ -88,21 +101,36 @@ class AdapterConfig:
             value = raw.get(name, default)
             if value and value != default:  # None, False, {} and the default are all "off"
                 raise NotImplementedError(f"{path}: {name}={value!r} is not supported (only {name}={default!r})")
+        _check_init(raw.get("init_lora_weights", True), path)
+        use_rslora = raw.get("use_rslora", False)
+        if not isinstance(use_rslora, bool):
+            raise ValueError(f"{path}: use_rslora={use_rslora!r} must be true or false")
+        target_parameters = raw.get("target_parameters") or ()
+        if not isinstance(target_parameters, list | tuple) or not all(isinstance(t, str) for t in target_parameters):
+            raise ValueError(f"{path}: target_parameters={target_parameters!r} must be a list of names")
         return cls(
-            r=int(raw["r"]),
-            lora_alpha=float(raw["lora_alpha"]),
-            use_rslora=bool(raw.get("use_rslora", False)),
-            rank_pattern=dict(raw.get("rank_pattern") or {}),
-            alpha_pattern=dict(raw.get("alpha_pattern") or {}),
-            target_parameters=tuple(raw.get("target_parameters") or ()),
+            r=_number(raw.get("r", _PEFT_DEFAULT_R), f"{path}: r", integer=True),
+            lora_alpha=float(_number(raw.get("lora_alpha", _PEFT_DEFAULT_ALPHA), f"{path}: lora_alpha")),
+            use_rslora=use_rslora,
+            rank_pattern=_patterns(raw, "rank_pattern", path, integer=True),
+            alpha_pattern=_patterns(raw, "alpha_pattern", path, integer=False),
+            target_parameters=tuple(target_parameters),
             raw=dict(raw),
+            path=path,
         )
 
     def rank_alpha(self, name: str) -> tuple[int, float]:
-        """(r, alpha) of the target `name` (peft.tuners.lora.model.LoraModel._create_and_replace)."""
-        return int(_pattern(self.rank_pattern, name, self.r)), float(
-            _pattern(self.alpha_pattern, name, self.lora_alpha)
-        )
+        """(r, alpha) of the target `name` (peft.tuners.lora.model.LoraModel._create_and_replace).
+
+        Raises:
+          ValueError: r <= 0 for this target (peft's `update_layer` refuses it), naming the target.
+        """
+        r = int(_pattern(self.rank_pattern, name, self.r))
+        if r <= 0:
+            raise ValueError(
+                f"load_adapter: {self.path}: target {name} has r={r} (r / rank_pattern); peft refuses r <= 0"
+            )
+        return r, float(_pattern(self.alpha_pattern, name, self.lora_alpha))
 
     def scale(self, r: int, alpha: float) -> float:
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
@@ -110,6 +138,47 @@ class AdapterConfig:
     def targets_parameter(self, key: str) -> bool:
         """Whether `target_parameters` names the parameter `key` (peft's `_inject_parameters` match)."""
         return any(key == t or key.endswith("." + t) for t in self.target_parameters)
+
+
+def _check_init(init: Any, path: str) -> None:
+    """Refuse an `init_lora_weights` whose adapter assumes a modified base model (see `_BASE_KEPT_INITS`)."""
+    if init is None or isinstance(init, bool):
+        return
+    if isinstance(init, str) and init.lower() in _BASE_KEPT_INITS:
+        return
+    raise NotImplementedError(
+        f"{path}: init_lora_weights={init!r} is not supported: moejax adds the adapter to the unmodified base "
+        "weights, which only init_lora_weights true, false, 'gaussian', 'eva', 'orthogonal' and 'mica' keep "
+        "(PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA modify the base to match their initial A and B). Convert it to a "
+        "plain LoRA first: peft's save_pretrained(..., path_initial_model_for_weight_conversion=...)"
+    )
+
+
+def _number(value: Any, what: str, *, integer: bool = False) -> int | float:
+    """A JSON number (an int where `integer`), or `ValueError` naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{what}={value!r} must be {'an integer' if integer else 'a finite number'}")
+    if integer:
+        if int(value) != value:
+            raise ValueError(f"{what}={value!r} must be an integer")
+        return int(value)
+    return value
+
+
+def _patterns(raw: Mapping[str, Any], field: str, path: str, *, integer: bool) -> dict[str, int | float]:
+    """`rank_pattern` / `alpha_pattern`: a JSON object of regex -> number; each regex compiled here, so a bad one is
+    a `ValueError` naming it (peft would fail on it with a raw `re.error` at the first module it matches)."""
+    patterns = raw.get(field) or {}
+    if not isinstance(patterns, Mapping):
+        raise ValueError(f"{path}: {field} must be an object of pattern -> value, got {type(patterns).__name__}")
+    out = {}
+    for p, value in patterns.items():
+        try:
+            re.compile(rf"(.*\.)?({p})$")
+        except re.error as e:
+            raise ValueError(f"{path}: {field} pattern {p!r} is not a valid regular expression ({e})") from e
+        out[p] = _number(value, f"{path}: {field}[{p!r}]", integer=integer)
+    return out
 
 
 def _pattern(patterns: Mapping[str, Any], name: str, default: Any) -> Any:
@@ -187,11 +256,25 @@ def _read(adapter_dir: str | os.PathLike) -> tuple[AdapterConfig, str, dict[str,
         bin_path = os.path.join(path, "adapter_model.bin")
         also = " (it has adapter_model.bin, torch's pickle format: save it with safe_serialization=True)"
         raise ValueError(f"load_adapter: {path} has no {WEIGHTS}" + (also if os.path.exists(bin_path) else ""))
-    with open(config_path) as f:
-        config = AdapterConfig.from_json(json.load(f), config_path)
+    config = AdapterConfig.from_json(_read_json(config_path), config_path)
     _, head = files.header(weights_path)
     head.pop("__metadata__", None)
     return config, weights_path, head
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    """A JSON object from `path`; `ValueError` naming the file when it is not UTF-8, not JSON, or not an object."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"load_adapter: {path} is not UTF-8 text ({e})") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"load_adapter: {path} is not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"load_adapter: {path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def _family_of(config: AdapterConfig, adapter_dir: str) -> Family | None:
@@ -206,8 +289,7 @@ def _family_of(config: AdapterConfig, adapter_dir: str) -> Family | None:
         for folder in (base, os.path.join(adapter_dir, base)):
             path = os.path.join(folder, "config.json")
             if os.path.isfile(path):
-                with open(path) as f:
-                    hf = json.load(f)
+                hf = _read_json(path)
                 model_type = hf.get("model_type")
                 if model_type not in BY_MODEL_TYPE and isinstance(hf.get("text_config"), dict):
                     model_type = hf["text_config"].get("model_type")
@@ -242,11 +324,14 @@ def load_adapter(
       not its MoE block), arrays in the file's dtype, scales float32.
 
     Raises:
-      ValueError: missing files; no key of the file names layer `layer_idx` (the message lists the layers it
-        has); a key of the block that is not a LoRA target moejax knows; a shape that does not fit `cfg` or the
-        config's rank (the message names the key and both shapes).
-      NotImplementedError: a PEFT method or option other than plain LoRA (DoRA, lora_bias, ...), per-expert keys
-        with different ranks or scales.
+      ValueError: missing files; an adapter_config.json that is not UTF-8 JSON of an object, or whose r, alpha,
+        patterns (a bad regex) or flags have the wrong type (the message names the file and the field); r <= 0 for
+        a target; no key of the file names layer `layer_idx` (the message lists the layers it has); a key of the
+        block that is not a LoRA target moejax knows; a shape that does not fit `cfg` or the config's rank (the
+        message names the key and both shapes).
+      NotImplementedError: a PEFT method or option other than plain LoRA (DoRA, lora_bias, ...), an
+        `init_lora_weights` that assumes a modified base model (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), per-expert
+        keys with different ranks or scales.
     """
     adapter_dir = os.fspath(adapter_dir)
     config, weights_path, head = _read(adapter_dir)
@@ -404,6 +489,17 @@ def _check(key: str, array: np.ndarray, expected: tuple[int, ...], what: str) ->
         raise ValueError(f"load_adapter: {key} has shape {array.shape}, expected {expected} ({what})")
 
 
+def _refuse_rank_zero(lora: LoRAParams, who: str) -> None:
+    """`ValueError` naming the target when a target of `lora` has rank 0: peft refuses r <= 0, so `save_adapter`
+    writes no such file and `load_adapter` reads none (`AdapterConfig.rank_alpha`)."""
+    for name, pair in lora.pairs().items():
+        if pair.rank <= 0:
+            raise ValueError(
+                f"{who}: target {name} has rank {pair.rank} (A {tuple(pair.a.shape)}); peft refuses r <= 0: "
+                "leave the target out (None) instead"
+            )
+
+
 def _plain(tensors: dict[str, np.ndarray], module: str, n_in: int, n_out: int, config: AdapterConfig) -> LoRAPair:
     """A 2-D target (nn.Linear, or a 2-D parameter): A [r, in], B [out, r].
 
@@ -538,6 +634,7 @@ def save_adapter(
     """
     if lora.is_stack:
         raise ValueError("save_adapter: pass one adapter, not a stack")
+    _refuse_rank_zero(lora, "save_adapter")
     if family not in BY_NAME:
         raise ValueError(f"save_adapter: unknown family {family!r}; one of {sorted(BY_NAME)}")
     fam = BY_NAME[family]
