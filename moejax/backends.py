@@ -124,11 +124,11 @@ _KERNELS = {"pallas_decode": "moe_decode", "pallas_grouped": "moe_grouped"}
 
 
 def kernel_validated(name: str) -> bool:
-    """Whether kernel backend `name` may run under "auto": on a GPU backend, and listed in
-    `pallas_kernels/validated.json` for this device kind and JAX version (checked by benchmarks/gpu_bench.py)."""
-    if jax.default_backend() != "gpu":
-        return False
-    return pallas_kernels.is_validated(_KERNELS[name], jax.devices()[0].device_kind, jax.__version__)
+    """Whether kernel backend `name` may be a candidate of "auto": `pallas_kernels/validated.json` lists its kernel
+    for some device kind at this JAX version (checked by benchmarks/gpu_bench.py, tpu_bench.py). Where it then
+    runs is decided when the program is lowered: only for a device kind with a row (`kernel_plans.validated_on`),
+    never by the host's default backend."""
+    return pallas_kernels.is_validated(_KERNELS[name], None, jax.__version__)
 
 
 def _auto_may_run(name: str, experts: Experts) -> bool:
@@ -137,16 +137,14 @@ def _auto_may_run(name: str, experts: Experts) -> bool:
     weights = kernel_plans.weights_name(experts)
     if name not in _KERNELS or weights == "dense":
         return True
-    device_kind = jax.devices()[0].device_kind
-    return pallas_kernels.is_validated(_KERNELS[name], device_kind, jax.__version__, weights=weights)
+    return pallas_kernels.is_validated(_KERNELS[name], None, jax.__version__, weights=weights)
 
 
 def may_run_kernels(impl: str) -> bool:
-    """Whether `impl` runs a Pallas kernel for some call size (on a CPU program: under the Mosaic GPU interpreter)."""
+    """Whether `impl` may run a Pallas kernel in a CPU program (under the Mosaic GPU interpreter): "auto" never
+    does (its kernels run only where lowered for a validated accelerator)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
-    if impl == "auto":
-        return any(kernel_validated(name) for name in _KERNELS)
     return impl == "pallas" or impl in _KERNELS
 
 
@@ -205,12 +203,23 @@ def run_routed(
 
 
 def _dispatch(impl, names, experts, x, slots, act, lora, block_rows) -> Array:
+    def run(name, experts, x, slots, lora):
+        return BACKENDS[name].run(experts, x, slots, act, lora=lora, block_rows=block_rows)
+
     if len(names) == 1:
-        return BACKENDS[names[0]].run(experts, x, slots, act, lora=lora, block_rows=block_rows)
+        return run(names[0], experts, x, slots, lora)
     reasons = []
-    for name in names:
+    for i, name in enumerate(names):
         try:
-            return BACKENDS[name].run(experts, x, slots, act, lora=lora, block_rows=block_rows)
+            if impl == "auto" and name in _KERNELS:  # the kernel or the rest, chosen while lowering
+                jax.eval_shape(functools.partial(run, name), experts, x, slots, lora)
+                fallback = lambda e, x, s, lo, i=i: _dispatch(impl, names[i + 1 :], e, x, s, act, lo, block_rows)
+                weights = kernel_plans.weights_name(experts)
+                kernel = functools.partial(run, name)
+                return kernel_plans.on_validated_devices(
+                    _KERNELS[name], weights, kernel, fallback, experts, x, slots, lora
+                )
+            return run(name, experts, x, slots, lora)
         except NotImplementedError as err:
             reasons.append(f"{name}: {err}")
     raise NotImplementedError(f"impl={impl!r}: no implementation serves this call ({'; '.join(reasons)})")

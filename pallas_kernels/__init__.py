@@ -40,17 +40,18 @@ def validated_records(path: Path = VALIDATED_PATH) -> tuple[dict, ...]:
 
 
 def is_validated(
-    kernel_name: str, device_kind: str, jax_version: str, path: Path = VALIDATED_PATH, *, weights: str = "dense"
+    kernel_name: str, device_kind: str | None, jax_version: str, path: Path = VALIDATED_PATH, *, weights: str = "dense"
 ) -> bool:
     """Whether `kernel_name` was checked against its reference on `device_kind` (e.g. "NVIDIA H200") with
     exactly this JAX version: a new JAX (a new Mosaic GPU compiler) or a new GPU needs a new check. `weights`: the
     weight format of the check, a row's `"weights"` field ("dense" when absent; quantized formats by name, e.g.
-    "int8_g128_sym", "fp8_block": each quantized kernel body needs its own check)."""
+    "int8_g128_sym", "fp8_block": each quantized kernel body needs its own check). `device_kind=None`: on any
+    device kind (TPU rows name theirs as JAX does, e.g. "TPU v5 lite")."""
     if kernel_name not in KERNELS:
         raise ValueError(f"kernel_name={kernel_name!r} is not one of {KERNELS}")
     return any(
         r.get("kernel") == kernel_name
-        and r.get("device_kind") == device_kind
+        and (device_kind is None or r.get("device_kind") == device_kind)
         and r.get("jax_version") == jax_version
         and r.get("weights", "dense") == weights
         for r in validated_records(Path(path))

@@ -29,7 +29,17 @@ waiting callback holds an XLA:CPU worker thread the running kernel needs, which 
 A failed interpretation (an error in a kernel, or that overlap) leaves the simulated GPU and the lock behind: call
 `reset_interpreter()` before interpreting again (the interpreter itself needs it after any error).
 
-Only inference: the primitive has no JVP or batching rule.
+A "tpu" rule lowers the op's TPU variant when one is given (`interpret_by_platform(op, tpu=tpu_op)`: a Mosaic
+TPU kernel with the same signature and output; the GPU op's `block_sizes` are not passed to it), so the same call
+runs the Mosaic GPU kernel in a program built for CUDA and the Mosaic TPU kernel in one built for TPU (also a
+compile-only TPU topology on a CPU host).
+
+`choose_at_lowering` is the same idea for a choice between whole implementations (moejax's `impl="auto"`): each
+is traced, and the lowering rule picks one from the lowering platform and the device kinds of the devices the
+program is compiled for (`LoweringRuleContext.module_context`: its platforms and axis context), never from the
+host's default backend.
+
+Only inference: the primitives have no JVP or batching rule.
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ class _OpCall:
     """One call of `op` with its array arguments taken out: what the primitive carries as a (hashable) param."""
 
     op: Callable[..., Array]
+    tpu_op: Callable[..., Array] | None
     treedef: Any  # of (args, kwargs)
     is_array: tuple[bool, ...]  # per leaf of treedef
     static: tuple[Any, ...]  # the non-array leaves (None where an array goes)
@@ -63,10 +74,18 @@ class _OpCall:
         return self.op.__name__
 
     def __call__(self, *arrays: Array, interpret: bool) -> Array:
+        args, kwargs = self._unflatten(arrays)
+        return self.op(*args, **kwargs, interpret=interpret)
+
+    def tpu(self, *arrays: Array) -> Array:
+        args, kwargs = self._unflatten(arrays)
+        kwargs.pop("block_sizes", None)  # the GPU op's blocks; the TPU op picks its own per TPU generation
+        return self.tpu_op(*args, **kwargs, interpret=False)
+
+    def _unflatten(self, arrays):
         it = iter(arrays)
         leaves = [next(it) if a else s for a, s in zip(self.is_array, self.static, strict=True)]
-        args, kwargs = jax.tree.unflatten(self.treedef, leaves)
-        return self.op(*args, **kwargs, interpret=interpret)
+        return jax.tree.unflatten(self.treedef, leaves)
 
 
 kernel_by_platform_p = jex_core.Primitive("kernel_by_platform")
@@ -169,13 +188,26 @@ def _lower_interpreted(ctx: mlir.LoweringRuleContext, *args, call: _OpCall):
     return outs
 
 
+def _lower_tpu(ctx: mlir.LoweringRuleContext, *args, call: _OpCall):
+    if call.tpu_op is None:
+        raise NotImplementedError(f"{call}: no Mosaic TPU kernel (lowering for TPU)")
+    return mlir.lower_fun(call.tpu, multiple_results=False)(ctx, *args)
+
+
 mlir.register_lowering(kernel_by_platform_p, _lower_compiled, platform="cuda")
 mlir.register_lowering(kernel_by_platform_p, _lower_interpreted, platform="cpu")
+mlir.register_lowering(kernel_by_platform_p, _lower_tpu, platform="tpu")
 
 
-def interpret_by_platform(op: Callable[..., Array]) -> Callable[..., Array]:
+def interpret_by_platform(
+    op: Callable[..., Array] | None = None, *, tpu: Callable[..., Array] | None = None
+) -> Callable[..., Array]:
     """Decorate a kernel op `op(..., *, interpret: bool | None = None, ...) -> Array`: with `interpret=None` the
-    lowering platform decides (cuda: compiled, cpu: interpreted); True/False are passed to `op` unchanged."""
+    lowering platform decides (cuda: compiled, cpu: interpreted, tpu: `tpu(..., interpret=False)` where given);
+    True/False are passed to `op` unchanged. Use as `@interpret_by_platform` or `@interpret_by_platform(tpu=...)`.
+    """
+    if op is None:
+        return functools.partial(interpret_by_platform, tpu=tpu)
 
     @functools.wraps(op)
     def wrapper(*args, interpret: bool | None = None, **kwargs) -> Array:
@@ -185,6 +217,66 @@ def interpret_by_platform(op: Callable[..., Array]) -> Callable[..., Array]:
         is_array = tuple(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves)
         static = tuple(None if a else leaf for a, leaf in zip(is_array, leaves, strict=True))
         arrays = [leaf for a, leaf in zip(is_array, leaves, strict=True) if a]
-        return kernel_by_platform_p.bind(*arrays, call=_OpCall(op, treedef, is_array, static))
+        return kernel_by_platform_p.bind(*arrays, call=_OpCall(op, tpu, treedef, is_array, static))
 
     return wrapper
+
+
+# A choice between implementations, made while lowering. `choose(platform, device_kinds) -> index` gets the one
+# lowering platform ("cpu", "cuda", "rocm", "tpu") and the device kinds of the program's devices (None where the
+# program has none: `jax.export`); a program lowered for several platforms at once gets the last branch.
+
+choose_at_lowering_p = jex_core.Primitive("choose_at_lowering")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Choice:
+    branches: tuple[Callable[..., Array], ...]
+    choose: Callable[[str, frozenset[str] | None], int]
+
+    def __repr__(self) -> str:
+        return "|".join(getattr(b, "__name__", "branch") for b in self.branches)
+
+
+choose_at_lowering_p.def_abstract_eval(lambda *avals, choice: jax.make_jaxpr(choice.branches[-1])(*avals).out_avals[0])
+choose_at_lowering_p.def_impl(
+    lambda *arrays, choice: jax.jit(lambda *a: choose_at_lowering_p.bind(*a, choice=choice))(*arrays)
+)
+
+
+def lowering_device_kinds(axis_context: Any) -> frozenset[str] | None:
+    """The device kinds of the devices a program is lowered for (a jit's device assignment, or the mesh of an
+    enclosing `shard_map`); None where the lowering has no devices (`jax.export`, an abstract mesh)."""
+    devices = getattr(axis_context, "device_assignment", None)
+    if devices is None:
+        mesh = getattr(axis_context, "mesh", None)
+        try:
+            devices = None if mesh is None else list(mesh.devices.flat)
+        except (AttributeError, ValueError):  # an AbstractMesh has no devices
+            devices = None
+    return None if not devices else frozenset(d.device_kind for d in devices)
+
+
+def _lower_choice(ctx: mlir.LoweringRuleContext, *args, choice: _Choice):
+    platforms = tuple(ctx.module_context.platforms)
+    index = len(choice.branches) - 1
+    if len(platforms) == 1:
+        index = choice.choose(platforms[0], lowering_device_kinds(ctx.module_context.axis_context))
+    return mlir.lower_fun(choice.branches[index], multiple_results=False)(ctx, *args)
+
+
+mlir.register_lowering(choose_at_lowering_p, _lower_choice)
+
+
+def choose_at_lowering(
+    choose: Callable[[str, frozenset[str] | None], int], branches: tuple[Callable[..., Array], ...], *arrays: Array
+) -> Array:
+    """`branches[choose(platform, device_kinds)](*arrays)`, decided when the program is lowered.
+
+    Args:
+      choose: `(lowering platform, device kinds or None) -> index into branches`.
+      branches: functions of `arrays` with the same output type (one array); each must trace on any host, and
+        none may carry effects (the lowering keeps one branch only).
+      arrays: the operands.
+    """
+    return choose_at_lowering_p.bind(*arrays, choice=_Choice(tuple(branches), choose))
