@@ -53,7 +53,7 @@ def ragged_grouped(experts: Experts, x: Array, slots: Slots, act: GatedActivatio
             "dense right operand)"
         )
     T, K = slots.indices.shape
-    E, H = experts.num_experts, x.shape[-1]
+    E = experts.num_experts
     M = T * K
     dtype = experts.dtype
 
@@ -74,8 +74,10 @@ def ragged_grouped(experts: Experts, x: Array, slots: Slots, act: GatedActivatio
     up = grouped_dot(rows, experts.up, experts.up_bias)  # [M, I]
     h = act(gate, up).astype(dtype)  # [M, I]
     y = grouped_dot(h, experts.down, experts.down_bias)  # [M, H]
-    per_pair = jnp.zeros((M, H), jnp.float32).at[order].set(y)  # un-sort; skipped pairs' rows are zero
-    return combine_slots(per_pair.reshape(T, K, H), slots.out_weight)
+    # Un-sort by a gather (XLA:TPU compiles a [M, H] scatter far more slowly); skipped pairs' rows are zero.
+    sorted_row = jnp.zeros(M, jnp.int32).at[order].set(jnp.arange(M, dtype=jnp.int32))  # [M] each pair's row
+    per_pair = y[sorted_row]  # [M, H]
+    return combine_slots(per_pair.reshape(T, K, -1), slots.out_weight)
 
 
 def on_accelerators(run, fallback, *operands) -> Array:

@@ -29,10 +29,11 @@ waiting callback holds an XLA:CPU worker thread the running kernel needs, which 
 A failed interpretation (an error in a kernel, or that overlap) leaves the simulated GPU and the lock behind: call
 `reset_interpreter()` before interpreting again (the interpreter itself needs it after any error).
 
-A "tpu" rule lowers the op's TPU variant when one is given (`interpret_by_platform(op, tpu=tpu_op)`: a Mosaic
-TPU kernel with the same signature and output; the GPU op's `block_sizes` are not passed to it), so the same call
-runs the Mosaic GPU kernel in a program built for CUDA and the Mosaic TPU kernel in one built for TPU (also a
-compile-only TPU topology on a CPU host).
+A "tpu" rule lowers the op's TPU variant where one is registered (`register_tpu_variant(op, tpu_op)`: a Mosaic
+TPU kernel with the same arguments and output, called with `interpret=False` and the `device_kind` of the
+program's TPU; the GPU op's `block_sizes` are not passed to it), so the same call runs the Mosaic GPU kernel in a
+program built for CUDA and the Mosaic TPU kernel in one built for TPU (a compile-only TPU topology on a CPU host
+included).
 
 `choose_at_lowering` is the same idea for a choice between whole implementations (moejax's `impl="auto"`): each
 is traced, and the lowering rule picks one from the lowering platform and the device kinds of the devices the
@@ -65,7 +66,6 @@ class _OpCall:
     """One call of `op` with its array arguments taken out: what the primitive carries as a (hashable) param."""
 
     op: Callable[..., Array]
-    tpu_op: Callable[..., Array] | None
     treedef: Any  # of (args, kwargs)
     is_array: tuple[bool, ...]  # per leaf of treedef
     static: tuple[Any, ...]  # the non-array leaves (None where an array goes)
@@ -77,10 +77,10 @@ class _OpCall:
         args, kwargs = self._unflatten(arrays)
         return self.op(*args, **kwargs, interpret=interpret)
 
-    def tpu(self, *arrays: Array) -> Array:
+    def tpu(self, *arrays: Array, device_kind: str | None) -> Array:
         args, kwargs = self._unflatten(arrays)
         kwargs.pop("block_sizes", None)  # the GPU op's blocks; the TPU op picks its own per TPU generation
-        return self.tpu_op(*args, **kwargs, interpret=False)
+        return _TPU_VARIANTS[self.op](*args, **kwargs, device_kind=device_kind, interpret=False)
 
     def _unflatten(self, arrays):
         it = iter(arrays)
@@ -188,10 +188,21 @@ def _lower_interpreted(ctx: mlir.LoweringRuleContext, *args, call: _OpCall):
     return outs
 
 
+_TPU_VARIANTS: dict[Callable[..., Array], Callable[..., Array]] = {}
+
+
+def register_tpu_variant(op: Callable[..., Array], tpu_op: Callable[..., Array]) -> None:
+    """Lower `op` (an `interpret_by_platform` op) as `tpu_op(..., device_kind=..., interpret=False)` for TPU."""
+    _TPU_VARIANTS[op.__wrapped__] = tpu_op
+
+
 def _lower_tpu(ctx: mlir.LoweringRuleContext, *args, call: _OpCall):
-    if call.tpu_op is None:
+    if call.op not in _TPU_VARIANTS:
         raise NotImplementedError(f"{call}: no Mosaic TPU kernel (lowering for TPU)")
-    return mlir.lower_fun(call.tpu, multiple_results=False)(ctx, *args)
+    kinds = lowering_device_kinds(ctx.module_context.axis_context)
+    device_kind = next(iter(kinds)) if kinds and len(kinds) == 1 else None
+    tpu = functools.partial(call.tpu, device_kind=device_kind)
+    return mlir.lower_fun(tpu, multiple_results=False)(ctx, *args)
 
 
 mlir.register_lowering(kernel_by_platform_p, _lower_compiled, platform="cuda")
@@ -199,15 +210,10 @@ mlir.register_lowering(kernel_by_platform_p, _lower_interpreted, platform="cpu")
 mlir.register_lowering(kernel_by_platform_p, _lower_tpu, platform="tpu")
 
 
-def interpret_by_platform(
-    op: Callable[..., Array] | None = None, *, tpu: Callable[..., Array] | None = None
-) -> Callable[..., Array]:
+def interpret_by_platform(op: Callable[..., Array]) -> Callable[..., Array]:
     """Decorate a kernel op `op(..., *, interpret: bool | None = None, ...) -> Array`: with `interpret=None` the
-    lowering platform decides (cuda: compiled, cpu: interpreted, tpu: `tpu(..., interpret=False)` where given);
-    True/False are passed to `op` unchanged. Use as `@interpret_by_platform` or `@interpret_by_platform(tpu=...)`.
-    """
-    if op is None:
-        return functools.partial(interpret_by_platform, tpu=tpu)
+    lowering platform decides (cuda: compiled, cpu: interpreted, tpu: the registered TPU variant); True/False are
+    passed to `op` unchanged (the Mosaic GPU kernel)."""
 
     @functools.wraps(op)
     def wrapper(*args, interpret: bool | None = None, **kwargs) -> Array:
@@ -217,7 +223,7 @@ def interpret_by_platform(
         is_array = tuple(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves)
         static = tuple(None if a else leaf for a, leaf in zip(is_array, leaves, strict=True))
         arrays = [leaf for a, leaf in zip(is_array, leaves, strict=True) if a]
-        return kernel_by_platform_p.bind(*arrays, call=_OpCall(op, tpu, treedef, is_array, static))
+        return kernel_by_platform_p.bind(*arrays, call=_OpCall(op, treedef, is_array, static))
 
     return wrapper
 

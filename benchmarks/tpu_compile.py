@@ -1,0 +1,162 @@
+"""Compile moejax for TPU on a CPU-only host (deviceless AOT): the compile table of RESULTS.md.
+
+Needs the `tpu-compile` extra (`pip install -e ".[tpu-compile]"`: jax[tpu] at the CI's JAX version, which pins the
+matching libtpu). With `JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost`,
+`jax.experimental.topologies.get_topology_desc("v5e:2x2", "tpu")` gives compile-only TPU devices, and
+`jax.jit(f).lower(<ShapeDtypeStructs placed on them>).compile()` runs XLA's TPU compiler and Mosaic TPU in full.
+Mosaic checks each kernel's VMEM at compile time (a tile too large fails with RESOURCE_EXHAUSTED ... vmem); the
+compiled program's `memory_analysis()` gives its HBM use (arguments + outputs + temporaries), checked here against
+the chip's HBM. (`cost_analysis()` is not used: it counts a loop body once.)
+
+    python benchmarks/tpu_compile.py                      # every case, v5e and v6e
+    python benchmarks/tpu_compile.py --chips v5e qwen3-T1-pallas --json out.json
+
+tests/test_tpu_compile.py compiles a subset (`CI_CASES`) of this table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+# Before JAX initialises: no TPU metadata server or worker lookup on a CPU host.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, also when run as a script
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+import moejax
+from moejax.bench import MODEL_LAYERS
+from moejax.quantized import format_by_name
+
+GiB = 1 << 30
+# topology name, HBM per chip.
+CHIPS = {"v5e": ("v5e:2x2", 16 * GiB), "v6e": ("v6e:2x2", 32 * GiB)}
+LAYERS = {
+    **MODEL_LAYERS,
+    "gpt-oss-120b": moejax.MoEConfig.preset(
+        "gpt_oss", hidden_size=2880, num_experts=128, top_k=4, intermediate_size=2880
+    ),
+}
+# label: (layer, T, impl, weights). weights: "bfloat16", "float32" or a quantized format's name.
+CASES = {
+    f"{short}-T{T}-{impl}{'' if w == 'bfloat16' else '-' + w}": (layer, T, impl, w)
+    for short, layer in (("qwen3", "qwen3-30b-a3b"), ("gptoss", "gpt-oss-120b"), ("dsv3", "deepseek-v3"))
+    for T in (1, 8, 2048)
+    for impl in ("pallas", "xla", "ragged")
+    for w in ("bfloat16", "int8")
+    if not (impl == "ragged" and (T <= 8 or w != "bfloat16"))  # ragged: prefill, dense weights
+    and not (impl == "pallas" and w != "bfloat16")  # the TPU kernels read bf16/f32 weights
+    and not (layer == "deepseek-v3" and w == "bfloat16")  # 22.5 GB of bf16 experts: over one chip's HBM
+}
+# What CI compiles (tests/test_tpu_compile.py): both kernels, ragged_dot and one XLA plan, on small-but-real
+# shapes, in about 30 s on 2 cores.
+CI_LAYER = moejax.MoEConfig.preset("qwen3_moe", hidden_size=1024, num_experts=16, top_k=4, intermediate_size=512)
+
+
+@functools.cache
+def chip(name: str):
+    """The first compile-only device of chip `name`'s topology, and its HBM bytes."""
+    from jax.experimental import topologies
+
+    topology, hbm = CHIPS[name]
+    return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0], hbm
+
+
+def abstract_inputs(cfg: moejax.MoEConfig, T: int, weights: str, device):
+    """ShapeDtypeStructs of the layer's parameters (stacked layout) and of x `[T, H]`, placed on `device`."""
+    sharding = SingleDeviceSharding(device)
+    if weights in ("bfloat16", "float32"):
+        init = lambda k: moejax.init_params(cfg, k, jnp.dtype(weights), layout="stacked")
+    else:
+        init = lambda k: moejax.init_params(cfg, k, jnp.bfloat16, fmt=format_by_name(weights), layout="stacked")
+    params = jax.eval_shape(init, jax.random.key(0))
+    place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+    x = jax.ShapeDtypeStruct((T, cfg.hidden_size), jnp.bfloat16, sharding=sharding)
+    return jax.tree.map(place, params), x
+
+
+def compile_one(cfg: moejax.MoEConfig, T: int, impl: str, weights: str, chip_name: str) -> dict:
+    """Compile `moe_forward(impl=impl)` for one chip. Returns seconds, HBM use, and the program's custom calls;
+    `error` instead where compilation failed (a VMEM overflow among others)."""
+    device, hbm = chip(chip_name)
+    params, x = abstract_inputs(cfg, T, weights, device)
+    fn = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl=impl))
+    start = time.perf_counter()
+    try:
+        compiled = fn.lower(params, x).compile()
+    except Exception as err:  # the table records any compiler error as the result
+        return {"chip": chip_name, "error": f"{type(err).__name__}: {str(err)[:400]}"}
+    seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    used = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+    calls = re.findall(r'custom_call_target="([\w$.]+)"', compiled.as_text())
+    return {
+        "chip": chip_name,
+        "device_kind": device.device_kind,
+        "compile_s": round(seconds, 2),
+        "hbm_bytes": int(used),
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "hbm_fraction": round(used / hbm, 4),
+        "tpu_custom_calls": sum(c == "tpu_custom_call" for c in calls),
+        "ragged_dot": "ragged" in compiled.as_text().lower(),
+    }
+
+
+def problems(row: dict, impl: str) -> list[str]:
+    """What is wrong with a compiled case: an error, HBM over the chip's, no Pallas TPU call for impl='pallas'."""
+    if "error" in row:
+        return [row["error"]]
+    out = []
+    if row["hbm_fraction"] > 1:
+        out.append(f"HBM {row['hbm_bytes'] / GiB:.1f} GiB over the chip's")
+    if impl == "pallas" and row["tpu_custom_calls"] == 0:
+        out.append("no tpu_custom_call in the compiled program of impl='pallas'")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cases", nargs="*", help=f"labels (default all): {', '.join(CASES)}")
+    parser.add_argument("--chips", nargs="+", default=list(CHIPS), choices=list(CHIPS))
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    args = parser.parse_args(argv)
+    unknown = [c for c in args.cases if c not in CASES]
+    if unknown:
+        parser.error(f"unknown cases {unknown}")
+    rows, failed = [], 0
+    print(f"jax {jax.__version__}; {os.cpu_count()} CPUs")
+    print(f"{'case':28} {'chip':4} {'compile s':>9} {'HBM GiB':>8} {'HBM %':>6} {'tpu calls':>9}  problems")
+    for label in args.cases or list(CASES):
+        layer, T, impl, weights = CASES[label]
+        for chip_name in args.chips:
+            row = {"case": label, **compile_one(LAYERS[layer], T, impl, weights, chip_name)}
+            bad = problems(row, impl)
+            failed += bool(bad)
+            rows.append({**row, "problems": bad})
+            if "error" in row:
+                print(f"{label:28} {chip_name:4} {'-':>9} {'-':>8} {'-':>6} {'-':>9}  {'; '.join(bad)}", flush=True)
+                continue
+            print(
+                f"{label:28} {chip_name:4} {row['compile_s']:9.1f} {row['hbm_bytes'] / GiB:8.2f} "
+                f"{100 * row['hbm_fraction']:6.1f} {row['tpu_custom_calls']:9d}  {'; '.join(bad)}",
+                flush=True,
+            )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
