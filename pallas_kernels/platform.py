@@ -53,6 +53,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import dispatch
 from jax.experimental import io_callback
 from jax.extend import core as jex_core
 from jax.extend.mlir.dialects import stablehlo as hlo
@@ -272,6 +273,10 @@ def _lower_choice(ctx: mlir.LoweringRuleContext, *args, choice: _Choice):
 
 
 mlir.register_lowering(choose_at_lowering_p, _lower_choice)
+# Without this, a jit's lowering context carries no devices (`ShardingContext.device_assignment` is None): JAX
+# hands them to primitives that declare they need them (as its cuDNN primitives do for the GPU's compute
+# capability). A private registry of jax 0.10 (jax._src.dispatch).
+dispatch.prim_requires_devices_during_lowering.update((choose_at_lowering_p, kernel_by_platform_p))
 
 
 def choose_at_lowering(

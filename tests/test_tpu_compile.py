@@ -1,0 +1,63 @@
+"""moejax compiles for TPU on this CPU-only host (deviceless AOT, v5e and v6e): the Mosaic TPU kernels of
+impl="pallas" fit VMEM (Mosaic checks it while compiling) and the programs fit HBM (`memory_analysis`); "auto"
+and "pallas" choose by the platform and chip the program is compiled for. Needs the `tpu-compile` extra
+(`pip install -e ".[tpu-compile]"`: jax[tpu], which pins libtpu); skipped without it.
+
+Small-but-real shapes here (compile time: grouped programs take 15-25 s at full size on 2 cores); the full table
+at Qwen3-30B-A3B, gpt-oss-120b and DeepSeek-V3 sizes is `python benchmarks/tpu_compile.py` (RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Read by libtpu when the topology is first built (after JAX's CPU backend is up: that is fine).
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install -e ".[tpu-compile]"'
+)
+COMPILE = Path(__file__).resolve().parents[1] / "benchmarks" / "tpu_compile.py"
+
+
+@pytest.fixture(scope="module")
+def tpu_compile():
+    spec = importlib.util.spec_from_file_location("tpu_compile", COMPILE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tpu_compile"] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["tpu_compile"]
+
+
+@pytest.mark.parametrize("chip,T", [("v5e", 8), ("v5e", 64), ("v6e", 8)])
+def test_pallas_compiles_for_tpu_within_vmem_and_hbm(tpu_compile, chip, T):
+    row = tpu_compile.compile_one(tpu_compile.CI_LAYER, T, "pallas", "bfloat16", chip)
+    assert tpu_compile.problems(row, "pallas") == [], row
+    assert row["compiled_tpu_custom_calls"] == (2 if T <= 8 else 3), row  # decode: gate/up + down; grouped: 3 gmm
+    assert 0 < row["hbm_fraction"] < 0.5, row
+
+
+def test_auto_runs_a_kernel_only_on_the_chip_validated_json_lists(tpu_compile, tmp_path, monkeypatch):
+    """With a validated row for v5e only: "auto" compiled for v5e holds the Mosaic TPU kernels, for v6e not (its
+    grouped call takes ragged_dot there, chosen while lowering for TPU); the host's backend (CPU) plays no part."""
+    import jax
+
+    import pallas_kernels
+
+    rows = [{"kernel": "moe_grouped", "device_kind": "TPU v5 lite", "jax_version": jax.__version__}]
+    table = tmp_path / "validated.json"
+    table.write_text(json.dumps(rows))
+    monkeypatch.setattr(pallas_kernels, "is_validated", functools.partial(pallas_kernels.is_validated, path=table))
+    v5e = tpu_compile.compile_one(tpu_compile.CI_LAYER, 64, "auto", "bfloat16", "v5e")
+    v6e = tpu_compile.compile_one(tpu_compile.CI_LAYER, 64, "auto", "bfloat16", "v6e")
+    assert v5e["tpu_custom_calls"] > 0 and not v5e["ragged_dot"], v5e
+    assert v6e["tpu_custom_calls"] == 0 and v6e["ragged_dot"], v6e
