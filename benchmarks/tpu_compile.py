@@ -29,6 +29,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no /tmp/libtpu_lockfile: several processes compile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, also when run as a script
 
@@ -57,7 +58,7 @@ CASES = {
     for impl in ("pallas", "xla", "ragged")
     for w in ("bfloat16", "int8")
     if not (impl == "ragged" and (T <= 8 or w != "bfloat16"))  # ragged: prefill, dense weights
-    and not (impl == "pallas" and w != "bfloat16")  # the TPU kernels read bf16/f32 weights
+    and not (impl == "pallas" and w != "bfloat16" and T > 8)  # the TPU grouped kernel reads bf16/f32 weights
     and not (layer == "deepseek-v3" and w == "bfloat16")  # 22.5 GB of bf16 experts: over one chip's HBM
 }
 # What CI compiles (tests/test_tpu_compile.py): both kernels, ragged_dot and one XLA plan, on small-but-real

@@ -16,14 +16,17 @@ Decode is bound by weight reads: each expert chosen by any row must be read once
 3. `_down_kernel`, grid `(H blocks, M, I blocks)`, likewise -> `y [M, 8, H]` float32.
 4. Row t takes `y[position of its slot k, t]` and sums its slots with their weights in slot order.
 
-Weights: bf16 or float32 (stacked `[E, H, I]` / `[E, I, H]`); float16 and quantized weights raise
-`NotImplementedError` (the Mosaic GPU kernels serve them).
+Weights: bf16 or float32 (stacked `[E, H, I]` / `[E, I, H]`), or int8 `QuantizedWeight`s (groups of 128·j along
+the contraction, or whole columns; zero points optional): each tile's codes are copied to VMEM as bytes and
+dequantized there a group at a time to bf16 before the MXU (float32 accumulation). Float16 and the other
+quantized kinds raise `NotImplementedError` (the Mosaic GPU kernels serve them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -33,7 +36,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.decode import MAX_ROWS, MAX_SLOTS, union_of_experts
-from pallas_kernels.expert_tiles import check_moe_inputs, combine_slots, dense_reference, require_activation
+from pallas_kernels.expert_tiles import (
+    check_moe_inputs,
+    combine_slots,
+    compute_dtype,
+    dense_reference,
+    require_activation,
+)
+from pallas_kernels.quantized_weights import QuantizedWeight
 
 Array = jax.Array
 
@@ -59,15 +69,20 @@ def vmem_limit(device_kind: str | None) -> int:
     return min(64 * _MiB, VMEM_BYTES.get(device_kind or "", _DEFAULT_VMEM) // 2)
 
 
-def check_tpu_weights(name: str, gate: Any) -> None:
-    """`NotImplementedError` for weights the TPU kernels do not read (quantized, float16)."""
-    if hasattr(gate, "kind") or jnp.dtype(gate.dtype) not in TPU_DTYPES:
-        raise NotImplementedError(f"{name}: reads bf16/float32 weights, got {getattr(gate, 'kind', gate.dtype)}")
+def check_tpu_weights(name: str, gate: Any, *, int8: bool = False) -> None:
+    """`NotImplementedError` for weights the TPU kernels do not read: float16; quantized kinds other than int8
+    (where `int8`) with groups of 128·j or whole columns."""
+    if isinstance(gate, QuantizedWeight):
+        H = gate.shape[1]
+        if not int8 or gate.kind != "int8" or (gate.group % 128 and gate.group != H):
+            raise NotImplementedError(f"{name}: reads bf16/float32 or int8 (groups of 128·j) weights, got {gate.kind}")
+    elif jnp.dtype(gate.dtype) not in TPU_DTYPES:
+        raise NotImplementedError(f"{name}: reads bf16/float32 weights, got {gate.dtype}")
 
 
-def block_along(dim: int, limit: int) -> int:
-    """The largest multiple of 128 dividing `dim` and at most `limit` (Mosaic's lane tiling), else `dim` whole."""
-    for b in range(min(dim, limit) // 128 * 128, 0, -128):
+def block_along(dim: int, limit: int, step: int = 128) -> int:
+    """The largest multiple of `step` (128: Mosaic's lane tiling) dividing `dim` and at most `limit`, else `dim`."""
+    for b in range(min(dim, limit) // step * step, 0, -step):
         if dim % b == 0:
             return b
     return dim
@@ -92,18 +107,26 @@ class TpuDecodeBlockSizes:
                 raise ValueError(f"TpuDecodeBlockSizes.{f.name} must be a positive int, got {getattr(self, f.name)!r}")
 
     @classmethod
-    def default(cls, hidden: int, inter: int, dtype: Any, device_kind: str | None = None) -> TpuDecodeBlockSizes:
+    def default(
+        cls, hidden: int, inter: int, dtype: Any, device_kind: str | None = None, groups: tuple[int, int] | None = None
+    ) -> TpuDecodeBlockSizes:
         """Tiles as large as a quarter of the scoped VMEM allows for the double-buffered weight tiles (gate and
-        up: two per step), output columns at most 512 wide: long contiguous HBM reads, few grid steps."""
+        up: two per step), output columns at most 512 wide: long contiguous HBM reads, few grid steps. `groups`:
+        int8 weights' groups along H (gate/up) and I (down); contraction tiles then hold 8·j groups (the rows of
+        the scale tile) or all."""
         limit = vmem_limit(device_kind)
         item = jnp.dtype(dtype).itemsize
+        step_h, step_i = (128, 128) if groups is None else (math.lcm(128, 8 * g) for g in groups)
         block_i = block_along(inter, 512)
-        block_h = block_along(hidden, max(128, limit // 4 // (2 * 2 * block_i * item)))
+        block_h = block_along(hidden, max(step_h, limit // 4 // (2 * 2 * block_i * item)), step_h)
         block_h_down = block_along(hidden, 512)
-        block_i_down = block_along(inter, max(128, limit // 4 // (2 * block_h_down * item)))
+        block_i_down = block_along(inter, max(step_i, limit // 4 // (2 * block_h_down * item)), step_i)
         return cls(block_h, block_i, block_i_down, block_h_down, limit)
 
-    def check(self, hidden: int, inter: int) -> None:
+    def check(self, hidden: int, inter: int, groups: tuple[int, int] | None = None) -> None:
+        """`ValueError` unless every tile divides its dimension in multiples of 128 (and, with int8 `group`, the
+        contraction tiles hold whole groups, 8·j of them or all)."""
+        group_h, group_i = groups or (None, None)
         for name, b, dim in (
             ("block_h", self.block_h, hidden),
             ("block_i", self.block_i, inter),
@@ -112,6 +135,12 @@ class TpuDecodeBlockSizes:
         ):
             if dim % b or (b != dim and b % 128):
                 raise ValueError(f"TpuDecodeBlockSizes.{name}={b} must divide {dim} and be a multiple of 128")
+        for name, b, dim, group in (
+            ("block_h", self.block_h, hidden, group_h),
+            ("block_i_down", self.block_i_down, inter, group_i),
+        ):
+            if group and (b % group or (b != dim and (b // group) % 8)):
+                raise ValueError(f"TpuDecodeBlockSizes.{name}={b} must hold 8·j int8 groups of {group}, or all")
 
 
 def _weight_index(u, k, n_k, union_ref, n_ref):
@@ -121,7 +150,25 @@ def _weight_index(u, k, n_k, union_ref, n_ref):
     return union_ref[jnp.where(real, u, last)], jnp.where(real, k, n_k - 1)
 
 
-def _gate_up_kernel(union_ref, n_ref, x_ref, scale_ref, gate_ref, up_ref, *rest, act, n_k, bias):
+def _weight_dot(rows: Array, refs: tuple, group: int) -> Array:
+    """`rows @ W` float32 for one weight tile: dense `(w_ref,)`, or int8 `(codes_ref, scale_ref[, zero_ref])`
+    dequantized a group of rows at a time (`(code - 128 - zero) · scale`, rounded to bf16 as the reference does),
+    each group's product accumulated in float32."""
+    if len(refs) == 1:
+        return jnp.dot(rows, refs[0][...], preferred_element_type=jnp.float32)
+    codes_ref, scale_ref, *zero_ref = refs
+    acc = None
+    for j in range(codes_ref.shape[0] // group):
+        offset = 128.0 if not zero_ref else zero_ref[0][j : j + 1, :].astype(jnp.float32) + 128.0
+        codes = codes_ref[j * group : (j + 1) * group, :].astype(jnp.int32).astype(jnp.float32)
+        w = ((codes - offset) * scale_ref[j : j + 1, :]).astype(jnp.bfloat16)
+        part = jnp.dot(rows[:, j * group : (j + 1) * group], w, preferred_element_type=jnp.float32)
+        acc = part if acc is None else acc + part
+    return acc
+
+
+def _gate_up_kernel(union_ref, n_ref, x_ref, scale_ref, *rest, act, n_k, bias, parts, group):
+    gate_refs, up_refs, rest = rest[:parts], rest[parts : 2 * parts], rest[2 * parts :]
     if bias:
         gate_bias_ref, up_bias_ref, h_ref, g_acc, u_acc = rest
     else:
@@ -137,9 +184,9 @@ def _gate_up_kernel(union_ref, n_ref, x_ref, scale_ref, gate_ref, up_ref, *rest,
     @pl.when(real)
     def _accumulate():
         # The union expert's rows: x scaled by its summed input scales, in the weight dtype (as the reference).
-        rows = (x_ref[...].astype(jnp.float32) * scale_ref[...]).astype(gate_ref.dtype)  # [8, bh]
-        g_acc[...] += jnp.dot(rows, gate_ref[...], preferred_element_type=jnp.float32)
-        u_acc[...] += jnp.dot(rows, up_ref[...], preferred_element_type=jnp.float32)
+        rows = (x_ref[...].astype(jnp.float32) * scale_ref[...]).astype(h_ref.dtype)  # [8, bh]
+        g_acc[...] += _weight_dot(rows, gate_refs, group)
+        u_acc[...] += _weight_dot(rows, up_refs, group)
 
     @pl.when(real & (k == n_k - 1))
     def _activation():
@@ -150,7 +197,8 @@ def _gate_up_kernel(union_ref, n_ref, x_ref, scale_ref, gate_ref, up_ref, *rest,
         h_ref[...] = act(g, up).astype(h_ref.dtype)
 
 
-def _down_kernel(union_ref, n_ref, h_ref, down_ref, *rest, n_k, bias):
+def _down_kernel(union_ref, n_ref, h_ref, *rest, n_k, bias, parts, group):
+    down_refs, rest = rest[:parts], rest[parts:]
     if bias:
         down_bias_ref, y_ref, acc = rest
     else:
@@ -164,7 +212,7 @@ def _down_kernel(union_ref, n_ref, h_ref, down_ref, *rest, n_k, bias):
 
     @pl.when(real)
     def _accumulate():
-        acc[...] += jnp.dot(h_ref[...], down_ref[...], preferred_element_type=jnp.float32)
+        acc[...] += _weight_dot(h_ref[...], down_refs, group)
 
     @pl.when(real & (k == n_k - 1))
     def _store():
@@ -180,6 +228,23 @@ def interpret_params(interpret: bool) -> Any:
     return pltpu.InterpretParams() if interpret else False
 
 
+def _weight_parts(w) -> tuple[Array, ...]:
+    """The arrays of one weight the kernels read: `(w,)`, or int8 `(codes, scale[, zero])`."""
+    if isinstance(w, QuantizedWeight):
+        return (w.codes, w.scale) + (() if w.zero is None else (w.zero,))
+    return (w,)
+
+
+def _weight_specs(w, block_k: int, block_n: int, index_map) -> list:
+    """BlockSpecs of `_weight_parts(w)`: `[block_k, block_n]` tiles; int8 scales (and zeros) `[block_k / group,
+    block_n]` at the same block index."""
+    specs = [pl.BlockSpec((None, block_k, block_n), index_map)]
+    if isinstance(w, QuantizedWeight):
+        scale = pl.BlockSpec((None, block_k // w.group, block_n), index_map)
+        specs += [scale] * (len(_weight_parts(w)) - 1)
+    return specs
+
+
 def _gate_up(x, scale, gate, up, biases, union_ids, n_union, act, bs, interpret):
     M, (_, H, I) = union_ids.shape[0], gate.shape
     n_k, n_i = H // bs.block_h, I // bs.block_i
@@ -191,20 +256,22 @@ def _gate_up(x, scale, gate, up, biases, union_ids, n_union, act, bs, interpret)
     def bias_map(i, u, k, union_ref, n_ref):
         return _weight_index(u, k, n_k, union_ref, n_ref)[0], 0, i
 
-    weight_spec = pl.BlockSpec((None, bs.block_h, bs.block_i), w_map)
+    weight_specs = _weight_specs(gate, bs.block_h, bs.block_i, w_map)
     bias_specs = [pl.BlockSpec((None, 1, bs.block_i), bias_map)] * 2 if biases else []
-    kernel = functools.partial(_gate_up_kernel, act=act, n_k=n_k, bias=bool(biases))
+    parts = len(weight_specs)
+    group = getattr(gate, "group", 0)
+    kernel = functools.partial(_gate_up_kernel, act=act, n_k=n_k, bias=bool(biases), parts=parts, group=group)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((M, _ROWS, I), gate.dtype),
+        out_shape=jax.ShapeDtypeStruct((M, _ROWS, I), compute_dtype(gate)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(n_i, M, n_k),
             in_specs=[
                 pl.BlockSpec((_ROWS, bs.block_h), lambda i, u, k, *_: (0, k)),
                 pl.BlockSpec((None, _ROWS, 1), lambda i, u, k, *_: (u, 0, 0)),
-                weight_spec,
-                weight_spec,
+                *weight_specs,
+                *weight_specs,
                 *bias_specs,
             ],
             out_specs=pl.BlockSpec((None, _ROWS, bs.block_i), lambda i, u, k, *_: (u, 0, i)),
@@ -215,7 +282,7 @@ def _gate_up(x, scale, gate, up, biases, union_ids, n_union, act, bs, interpret)
         ),
         interpret=interpret_params(interpret),
         name="moe_tpu_decode_gate_up",
-    )(union_ids, n_union, x, scale, gate, up, *biases)
+    )(union_ids, n_union, x, scale, *_weight_parts(gate), *_weight_parts(up), *biases)
 
 
 def _down(h, down, bias, union_ids, n_union, bs, interpret):
@@ -230,15 +297,19 @@ def _down(h, down, bias, union_ids, n_union, bs, interpret):
         return _weight_index(u, k, n_k, union_ref, n_ref)[0], 0, j
 
     bias_specs = [pl.BlockSpec((None, 1, bs.block_h_down), bias_map)] if bias else []
+    weight_specs = _weight_specs(down, bs.block_i_down, bs.block_h_down, w_map)
+    kernel = functools.partial(
+        _down_kernel, n_k=n_k, bias=bool(bias), parts=len(weight_specs), group=getattr(down, "group", 0)
+    )
     return pl.pallas_call(
-        functools.partial(_down_kernel, n_k=n_k, bias=bool(bias)),
+        kernel,
         out_shape=jax.ShapeDtypeStruct((M, _ROWS, H), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(n_h, M, n_k),
             in_specs=[
                 pl.BlockSpec((None, _ROWS, bs.block_i_down), lambda j, u, k, *_: (u, 0, k)),
-                pl.BlockSpec((None, bs.block_i_down, bs.block_h_down), w_map),
+                *weight_specs,
                 *bias_specs,
             ],
             out_specs=pl.BlockSpec((None, _ROWS, bs.block_h_down), lambda j, u, k, *_: (u, 0, j)),
@@ -249,7 +320,7 @@ def _down(h, down, bias, union_ids, n_union, bs, interpret):
         ),
         interpret=interpret_params(interpret),
         name="moe_tpu_decode_down",
-    )(union_ids, n_union, h, down, *bias)
+    )(union_ids, n_union, h, *_weight_parts(down), *bias)
 
 
 def moe_tpu_decode(
@@ -288,14 +359,15 @@ def moe_tpu_decode(
     biases = (gate_bias, up_bias, down_bias)
     check_moe_inputs("moe_tpu_decode", x, gate, up, down, indices, weights, in_scale, biases)
     require_activation("moe_tpu_decode", activation)
-    check_tpu_weights("moe_tpu_decode", gate)
+    check_tpu_weights("moe_tpu_decode", gate, int8=True)
     T, H = x.shape
     E, _, I = gate.shape
     K = indices.shape[1]
     if T > MAX_ROWS or T * K > MAX_SLOTS:
         raise ValueError(f"moe_tpu_decode: T <= {MAX_ROWS} and T·K <= {MAX_SLOTS}, got {indices.shape=}")
-    bs = block_sizes or TpuDecodeBlockSizes.default(H, I, gate.dtype, device_kind)
-    bs.check(H, I)
+    groups = (gate.group, down.group) if isinstance(gate, QuantizedWeight) else None
+    bs = block_sizes or TpuDecodeBlockSizes.default(H, I, gate.dtype, device_kind, groups)
+    bs.check(H, I, groups)
 
     union_ids, n_union, slot_position = union_of_experts(indices, E)
     M = union_ids.shape[0]

@@ -21,6 +21,7 @@ import pytest
 # Read by libtpu when the topology is first built (after JAX's CPU backend is up: that is fine).
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no /tmp/libtpu_lockfile: several processes compile
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install -e ".[tpu-compile]"'
@@ -38,9 +39,9 @@ def tpu_compile():
     del sys.modules["tpu_compile"]
 
 
-@pytest.mark.parametrize("chip,T", [("v5e", 8), ("v5e", 64), ("v6e", 8)])
-def test_pallas_compiles_for_tpu_within_vmem_and_hbm(tpu_compile, chip, T):
-    row = tpu_compile.compile_one(tpu_compile.CI_LAYER, T, "pallas", "bfloat16", chip)
+@pytest.mark.parametrize("chip,T,weights", [("v5e", 8, "bfloat16"), ("v5e", 64, "bfloat16"), ("v6e", 8, "int8")])
+def test_pallas_compiles_for_tpu_within_vmem_and_hbm(tpu_compile, chip, T, weights):
+    row = tpu_compile.compile_one(tpu_compile.CI_LAYER, T, "pallas", weights, chip)
     assert tpu_compile.problems(row, "pallas") == [], row
     assert row["compiled_tpu_custom_calls"] == (2 if T <= 8 else 3), row  # decode: gate/up + down; grouped: 3 gmm
     assert 0 < row["hbm_fraction"] < 0.5, row

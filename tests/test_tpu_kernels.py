@@ -11,8 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_pallas_decode import assert_close, random_case
+from test_pallas_quantized import assert_close as assert_close_quantized
+from test_pallas_quantized import random_experts
 
 import moejax
+from moejax import kernel_plans
 from pallas_kernels import tpu_decode, tpu_grouped
 from pallas_kernels.activations import GatedActivation
 
@@ -81,3 +84,16 @@ def test_pallas_lowers_to_the_tpu_kernels_for_tpu(T):
     calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)", text)
     assert "tpu_custom_call" in calls and not any(c.startswith("mosaic_gpu") for c in calls), calls
     assert ("moe_tpu_decode_gate_up" in text) == (T <= 8)
+
+
+def test_int8_decode_matches_the_reference():
+    """int8 groups of 128 with zero points, dequantized in VMEM (bf16 MXU): two groups per contraction tile."""
+    experts = random_experts("int8", E=4, H=256, I=256, group_size=128, symmetric=False)
+    gate, up, down = kernel_plans.quantized_weights("test", experts)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+    indices = jnp.asarray(rng.integers(0, 5, (3, 2)), jnp.int32)  # id 4 skipped
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (3, 2)), jnp.float32)
+    args = (x, gate, up, down, indices, weights)
+    got = jax.jit(lambda *a: tpu_decode.moe_tpu_decode(*a, interpret=True))(*args)
+    assert_close_quantized(got, tpu_decode.moe_tpu_decode_reference(*args))
