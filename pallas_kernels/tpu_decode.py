@@ -80,11 +80,15 @@ def check_tpu_weights(name: str, gate: Any, *, int8: bool = False) -> None:
         raise NotImplementedError(f"{name}: reads bf16/float32 weights, got {gate.dtype}")
 
 
-def block_along(dim: int, limit: int, step: int = 128) -> int:
-    """The largest multiple of `step` (128: Mosaic's lane tiling) dividing `dim` and at most `limit`, else `dim`."""
+def block_along(dim: int, limit: int, step: int = 128, *, partial: bool = False) -> int:
+    """The largest multiple of `step` (128: Mosaic's lane tiling) dividing `dim` and at most `limit`; where none
+    divides, with `partial`, the largest multiple of 128 at most `limit` (the last block then runs past `dim`:
+    gpt-oss's 2880 = 22.5·128), else `dim` whole."""
     for b in range(min(dim, limit) // step * step, 0, -step):
         if dim % b == 0:
             return b
+    if partial and dim > 128:
+        return max(128, min(dim, limit) // 128 * 128)
     return dim
 
 
@@ -117,15 +121,16 @@ class TpuDecodeBlockSizes:
         limit = vmem_limit(device_kind)
         item = jnp.dtype(dtype).itemsize
         step_h, step_i = (128, 128) if groups is None else (math.lcm(128, 8 * g) for g in groups)
-        block_i = block_along(inter, 512)
-        block_h = block_along(hidden, max(step_h, limit // 4 // (2 * 2 * block_i * item)), step_h)
-        block_h_down = block_along(hidden, 512)
-        block_i_down = block_along(inter, max(step_i, limit // 4 // (2 * block_h_down * item)), step_i)
+        dense = groups is None  # int8 tiles hold whole groups: no partial blocks
+        block_i = block_along(inter, 512, partial=dense)
+        block_h = block_along(hidden, max(step_h, limit // 4 // (2 * 2 * block_i * item)), step_h, partial=dense)
+        block_h_down = block_along(hidden, 512, partial=dense)
+        block_i_down = block_along(inter, max(step_i, limit // 4 // (2 * block_h_down * item)), step_i, partial=dense)
         return cls(block_h, block_i, block_i_down, block_h_down, limit)
 
     def check(self, hidden: int, inter: int, groups: tuple[int, int] | None = None) -> None:
-        """`ValueError` unless every tile divides its dimension in multiples of 128 (and, with int8 `group`, the
-        contraction tiles hold whole groups, 8·j of them or all)."""
+        """`ValueError` unless every tile is its whole dimension or a multiple of 128 (a last partial block is
+        masked), and, with int8 `groups`, divides its dimension in whole groups, 8·j of them or all."""
         group_h, group_i = groups or (None, None)
         for name, b, dim in (
             ("block_h", self.block_h, hidden),
@@ -133,8 +138,8 @@ class TpuDecodeBlockSizes:
             ("block_i_down", self.block_i_down, inter),
             ("block_h_down", self.block_h_down, hidden),
         ):
-            if dim % b or (b != dim and b % 128):
-                raise ValueError(f"TpuDecodeBlockSizes.{name}={b} must divide {dim} and be a multiple of 128")
+            if b != dim and (b % 128 or b > dim or (groups and dim % b)):
+                raise ValueError(f"TpuDecodeBlockSizes.{name}={b} must be {dim} or a multiple of 128 below it")
         for name, b, dim, group in (
             ("block_h", self.block_h, hidden, group_h),
             ("block_i_down", self.block_i_down, inter, group_i),
@@ -150,12 +155,17 @@ def _weight_index(u, k, n_k, union_ref, n_ref):
     return union_ref[jnp.where(real, u, last)], jnp.where(real, k, n_k - 1)
 
 
-def _weight_dot(rows: Array, refs: tuple, group: int) -> Array:
+def _weight_dot(rows: Array, refs: tuple, group: int, valid: int = 0) -> Array:
     """`rows @ W` float32 for one weight tile: dense `(w_ref,)`, or int8 `(codes_ref, scale_ref[, zero_ref])`
     dequantized a group of rows at a time (`(code - 128 - zero) · scale`, rounded to bf16 as the reference does),
-    each group's product accumulated in float32."""
+    each group's product accumulated in float32. `valid` > 0: the last, partial block of the contraction, whose
+    elements from `valid` on lie past the array (whatever VMEM held, NaN included): zeroed on both sides."""
     if len(refs) == 1:
-        return jnp.dot(rows, refs[0][...], preferred_element_type=jnp.float32)
+        w = refs[0][...]
+        if valid:
+            rows = jnp.where(jax.lax.broadcasted_iota(jnp.int32, rows.shape, 1) < valid, rows, 0)
+            w = jnp.where(jax.lax.broadcasted_iota(jnp.int32, w.shape, 0) < valid, w, 0)
+        return jnp.dot(rows, w, preferred_element_type=jnp.float32)
     codes_ref, scale_ref, *zero_ref = refs
     acc = None
     for j in range(codes_ref.shape[0] // group):
@@ -167,7 +177,17 @@ def _weight_dot(rows: Array, refs: tuple, group: int) -> Array:
     return acc
 
 
-def _gate_up_kernel(union_ref, n_ref, x_ref, scale_ref, *rest, act, n_k, bias, parts, group):
+def _each_step(real, k, n_k: int, rem: int, accumulate) -> None:
+    """`accumulate(0)` on every real step; where the contraction's last block is partial (`rem` > 0 elements
+    valid), `accumulate(rem)` on that one (its masking costs VPU work the other steps skip)."""
+    if not rem:
+        pl.when(real)(lambda: accumulate(0))
+        return
+    pl.when(real & (k < n_k - 1))(lambda: accumulate(0))
+    pl.when(real & (k == n_k - 1))(lambda: accumulate(rem))
+
+
+def _gate_up_kernel(union_ref, n_ref, x_ref, scale_ref, *rest, act, n_k, rem, bias, parts, group):
     gate_refs, up_refs, rest = rest[:parts], rest[parts : 2 * parts], rest[2 * parts :]
     if bias:
         gate_bias_ref, up_bias_ref, h_ref, g_acc, u_acc = rest
@@ -181,12 +201,13 @@ def _gate_up_kernel(union_ref, n_ref, x_ref, scale_ref, *rest, act, n_k, bias, p
         g_acc[...] = jnp.zeros_like(g_acc)
         u_acc[...] = jnp.zeros_like(u_acc)
 
-    @pl.when(real)
-    def _accumulate():
+    def accumulate(valid: int) -> None:
         # The union expert's rows: x scaled by its summed input scales, in the weight dtype (as the reference).
         rows = (x_ref[...].astype(jnp.float32) * scale_ref[...]).astype(h_ref.dtype)  # [8, bh]
-        g_acc[...] += _weight_dot(rows, gate_refs, group)
-        u_acc[...] += _weight_dot(rows, up_refs, group)
+        g_acc[...] += _weight_dot(rows, gate_refs, group, valid)
+        u_acc[...] += _weight_dot(rows, up_refs, group, valid)
+
+    _each_step(real, k, n_k, rem, accumulate)
 
     @pl.when(real & (k == n_k - 1))
     def _activation():
@@ -197,7 +218,7 @@ def _gate_up_kernel(union_ref, n_ref, x_ref, scale_ref, *rest, act, n_k, bias, p
         h_ref[...] = act(g, up).astype(h_ref.dtype)
 
 
-def _down_kernel(union_ref, n_ref, h_ref, *rest, n_k, bias, parts, group):
+def _down_kernel(union_ref, n_ref, h_ref, *rest, n_k, rem, bias, parts, group):
     down_refs, rest = rest[:parts], rest[parts:]
     if bias:
         down_bias_ref, y_ref, acc = rest
@@ -210,9 +231,10 @@ def _down_kernel(union_ref, n_ref, h_ref, *rest, n_k, bias, parts, group):
     def _zero():
         acc[...] = jnp.zeros_like(acc)
 
-    @pl.when(real)
-    def _accumulate():
-        acc[...] += _weight_dot(h_ref[...], down_refs, group)
+    def accumulate(valid: int) -> None:
+        acc[...] += _weight_dot(h_ref[...], down_refs, group, valid)
+
+    _each_step(real, k, n_k, rem, accumulate)
 
     @pl.when(real & (k == n_k - 1))
     def _store():
@@ -247,7 +269,7 @@ def _weight_specs(w, block_k: int, block_n: int, index_map) -> list:
 
 def _gate_up(x, scale, gate, up, biases, union_ids, n_union, act, bs, interpret):
     M, (_, H, I) = union_ids.shape[0], gate.shape
-    n_k, n_i = H // bs.block_h, I // bs.block_i
+    n_k, n_i = pl.cdiv(H, bs.block_h), pl.cdiv(I, bs.block_i)
 
     def w_map(i, u, k, union_ref, n_ref):
         e, kk = _weight_index(u, k, n_k, union_ref, n_ref)
@@ -260,7 +282,9 @@ def _gate_up(x, scale, gate, up, biases, union_ids, n_union, act, bs, interpret)
     bias_specs = [pl.BlockSpec((None, 1, bs.block_i), bias_map)] * 2 if biases else []
     parts = len(weight_specs)
     group = getattr(gate, "group", 0)
-    kernel = functools.partial(_gate_up_kernel, act=act, n_k=n_k, bias=bool(biases), parts=parts, group=group)
+    kernel = functools.partial(
+        _gate_up_kernel, act=act, n_k=n_k, rem=H % bs.block_h, bias=bool(biases), parts=parts, group=group
+    )
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((M, _ROWS, I), compute_dtype(gate)),
@@ -287,7 +311,7 @@ def _gate_up(x, scale, gate, up, biases, union_ids, n_union, act, bs, interpret)
 
 def _down(h, down, bias, union_ids, n_union, bs, interpret):
     M, (_, I, H) = union_ids.shape[0], down.shape
-    n_k, n_h = I // bs.block_i_down, H // bs.block_h_down
+    n_k, n_h = pl.cdiv(I, bs.block_i_down), pl.cdiv(H, bs.block_h_down)
 
     def w_map(j, u, k, union_ref, n_ref):
         e, kk = _weight_index(u, k, n_k, union_ref, n_ref)
@@ -299,7 +323,12 @@ def _down(h, down, bias, union_ids, n_union, bs, interpret):
     bias_specs = [pl.BlockSpec((None, 1, bs.block_h_down), bias_map)] if bias else []
     weight_specs = _weight_specs(down, bs.block_i_down, bs.block_h_down, w_map)
     kernel = functools.partial(
-        _down_kernel, n_k=n_k, bias=bool(bias), parts=len(weight_specs), group=getattr(down, "group", 0)
+        _down_kernel,
+        n_k=n_k,
+        rem=I % bs.block_i_down,
+        bias=bool(bias),
+        parts=len(weight_specs),
+        group=getattr(down, "group", 0),
     )
     return pl.pallas_call(
         kernel,

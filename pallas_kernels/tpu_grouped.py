@@ -42,7 +42,8 @@ _MXU = {"TPU v6 lite": 256, "TPU v6e": 256, "TPU7x": 256}
 class TpuGroupedBlockSizes:
     """Tiles `(tm, tk, tn)` of gmm for gate/up (`gate_up`, over [rows, H] x [H, I]) and down ([rows, I] x [I, H]).
 
-    tm: rows per tile (a multiple of 8); tk, tn: multiples of 128 dividing their dimension, or the whole one.
+    tm: rows per tile (a multiple of 8); tk, tn: multiples of 128 (gmm masks a partial last block), or the whole
+    dimension.
     """
 
     gate_up: tuple[int, int, int]
@@ -65,8 +66,9 @@ class TpuGroupedBlockSizes:
         tm = min(_MXU.get(device_kind or "", 128), round_up(rows, 8))
 
         def tiles(k: int, n: int) -> tuple[int, int, int]:
-            tn = block_along(n, 512)
-            tk = block_along(k, max(128, budget // (2 * item * (tm + tn))))
+            # gmm masks a partial last block of k and clips one of n.
+            tn = block_along(n, 512, partial=True)
+            tk = block_along(k, max(128, budget // (2 * item * (tm + tn))), partial=True)
             return tm, tk, tn
 
         return cls(tiles(hidden, inter), tiles(inter, hidden))
