@@ -57,7 +57,7 @@ from jax._src import dispatch
 from jax.experimental import io_callback
 from jax.extend import core as jex_core
 from jax.extend.mlir.dialects import stablehlo as hlo
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 Array = jax.Array
 
@@ -273,6 +273,19 @@ def _lower_choice(ctx: mlir.LoweringRuleContext, *args, choice: _Choice):
 
 
 mlir.register_lowering(choose_at_lowering_p, _lower_choice)
+
+
+def _batch_choice(args, dims, *, choice: _Choice):
+    # vmap each branch alike: the choice is still made while lowering.
+    batched = tuple(functools.partial(_vmapped, branch, dims) for branch in choice.branches)
+    return choose_at_lowering_p.bind(*args, choice=_Choice(batched, choice.choose)), 0
+
+
+def _vmapped(branch, dims, *args):
+    return jax.vmap(branch, in_axes=tuple(d if isinstance(d, int) else None for d in dims))(*args)  # unmapped: None
+
+
+batching.primitive_batchers[choose_at_lowering_p] = _batch_choice
 # Without this, a jit's lowering context carries no devices (`ShardingContext.device_assignment` is None): JAX
 # hands them to primitives that declare they need them (as its cuDNN primitives do for the GPU's compute
 # capability). A private registry of jax 0.10 (jax._src.dispatch).

@@ -56,11 +56,12 @@ def test_ragged_raises_for_what_it_does_not_read():
         jax.eval_shape(lambda p, x: moejax.moe_forward(p, x, cfg, impl="ragged"), params, x)
 
 
-def _lowered_text(impl, platform, T=20):
+def _lowered_text(impl, platform, T=20, batch=None):
     cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=32, num_experts=4, top_k=2, intermediate_size=16)
     params = jax.eval_shape(lambda k: moejax.init_params(cfg, k, layout="stacked"), jax.random.key(0))
-    x = jax.ShapeDtypeStruct((T, 32), jnp.float32)
-    f = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl=impl))
+    x = jax.ShapeDtypeStruct((T, 32) if batch is None else (batch, T, 32), jnp.float32)
+    f = lambda p, x: moejax.moe_forward(p, x, cfg, impl=impl)
+    f = jax.jit(f if batch is None else jax.vmap(f, in_axes=(None, 0)))
     return f.trace(params, x).lower(lowering_platforms=(platform,)).as_text()
 
 
@@ -74,3 +75,4 @@ def test_auto_takes_ragged_dot_only_where_lowered_for_an_accelerator():
     cpu = _lowered_text("auto", "cpu")
     assert "ragged_dot" not in cpu and "stablehlo.while" in cpu
     assert "ragged_dot" not in _lowered_text("auto", "tpu", T=2)
+    assert "ragged_dot" in _lowered_text("auto", "tpu", batch=3)  # under vmap the choice is still made lowering
