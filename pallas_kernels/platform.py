@@ -276,13 +276,18 @@ mlir.register_lowering(choose_at_lowering_p, _lower_choice)
 
 
 def _batch_choice(args, dims, *, choice: _Choice):
-    # vmap each branch alike: the choice is still made while lowering.
-    batched = tuple(functools.partial(_vmapped, branch, dims) for branch in choice.branches)
-    return choose_at_lowering_p.bind(*args, choice=_Choice(batched, choice.choose)), 0
+    # One call per batch element, in a loop (`lax.map`), each still chosen while lowering: a branch may have no
+    # batching rule of its own (`ragged_dot` under vmap is not implemented for every axis in jax 0.10).
+    mapped = [i for i, d in enumerate(dims) if isinstance(d, int)]
+    batched = [jax.numpy.moveaxis(args[i], dims[i], 0) for i in mapped]
 
+    def one(elements):
+        full = list(args)
+        for i, element in zip(mapped, elements, strict=True):
+            full[i] = element
+        return choose_at_lowering_p.bind(*full, choice=choice)
 
-def _vmapped(branch, dims, *args):
-    return jax.vmap(branch, in_axes=tuple(d if isinstance(d, int) else None for d in dims))(*args)  # unmapped: None
+    return jax.lax.map(one, batched), 0
 
 
 batching.primitive_batchers[choose_at_lowering_p] = _batch_choice
