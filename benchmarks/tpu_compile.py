@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, al
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 import moejax
@@ -121,6 +122,49 @@ def compile_one(cfg: moejax.MoEConfig, T: int, impl: str, weights: str, chip_nam
     }
 
 
+# EP over the 4 chips of the topology (label: layer, T, mode, impl): bf16 experts split 4 ways.
+EP_CASES = {
+    f"{short}-T{T}-ep4-{mode}-{impl}": (layer, T, mode, impl)
+    for short, layer in (("qwen3", "qwen3-30b-a3b"), ("gptoss", "gpt-oss-120b"), ("dsv3", "deepseek-v3"))
+    for T, mode in ((8, "replicated"), (2048, "all_to_all"))
+    for impl in ("pallas", "xla")
+}
+
+
+def compile_ep(cfg: moejax.MoEConfig, T: int, mode: str, impl: str, chip_name: str) -> dict:
+    """Compile `moe_forward_ep` over the 4 chips of `chip_name`'s topology (experts split over "expert"; tokens
+    replicated, or split in all_to_all mode). HBM per chip."""
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from moejax.parallel import moe_forward_ep, param_specs
+
+    topology, hbm = CHIPS[chip_name]
+    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    mesh = Mesh(np.array(devices), ("expert",))
+    start = time.perf_counter()
+    try:
+        params = jax.eval_shape(lambda k: moejax.init_params(cfg, k, jnp.bfloat16, layout="stacked"), jax.random.key(0))
+        place = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+        params = jax.tree.map(place, params, param_specs(cfg))
+        x_spec = P() if mode == "replicated" else P("expert")
+        x = jax.ShapeDtypeStruct((T, cfg.hidden_size), jnp.bfloat16, sharding=NamedSharding(mesh, x_spec))
+        fn = jax.jit(lambda p, x: moe_forward_ep(p, x, cfg, mesh=mesh, mode=mode, impl=impl))
+        compiled = fn.lower(params, x).compile()
+    except Exception as err:  # the table records any compiler error as the result
+        return {"chip": chip_name, "error": f"{type(err).__name__}: {str(err)[:400]}"}
+    mem = compiled.memory_analysis()
+    used = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+    return {
+        "chip": chip_name,
+        "compile_s": round(time.perf_counter() - start, 2),
+        "hbm_bytes": int(used),
+        "hbm_fraction": round(used / hbm, 4),
+        "compiled_tpu_custom_calls": compiled.as_text().count('custom_call_target="tpu_custom_call"'),
+    }
+
+
 def kernel_vmem(cfg: moejax.MoEConfig, T: int, weights: str, device_kind: str) -> dict:
     """The TPU kernels' tiles for this layer and chip, and the VMEM they take (double-buffered inputs and
     outputs plus float32 accumulators, the larger of the two kernels), next to the scoped limit Mosaic gets."""
@@ -164,14 +208,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("cases", nargs="*", help=f"labels (default all): {', '.join(CASES)}")
     parser.add_argument("--chips", nargs="+", default=list(CHIPS), choices=list(CHIPS))
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--ep", nargs="+", default=[], help=f"EP cases over 4 chips: {', '.join(EP_CASES)}")
     args = parser.parse_args(argv)
-    unknown = [c for c in args.cases if c not in CASES]
+    unknown = [c for c in args.cases if c not in CASES] + [c for c in args.ep if c not in EP_CASES]
     if unknown:
         parser.error(f"unknown cases {unknown}")
     rows, failed = [], 0
     print(f"jax {jax.__version__}; {os.cpu_count()} CPUs")
     print(f"{'case':28} {'chip':4} {'compile s':>9} {'HBM GiB':>8} {'HBM %':>6} {'tpu calls':>9}  problems")
-    for label in args.cases or list(CASES):
+    for label in args.ep:
+        layer, T, mode, impl = EP_CASES[label]
+        for chip_name in args.chips:
+            row = {"case": label, **compile_ep(LAYERS[layer], T, mode, impl, chip_name)}
+            bad = problems(row, impl) if "error" in row or row["hbm_fraction"] > 1 else []
+            if impl == "pallas" and not bad and row["compiled_tpu_custom_calls"] == 0:
+                bad = ["no tpu_custom_call in the program of impl='pallas'"]
+            failed += bool(bad)
+            rows.append({**row, "problems": bad})
+            print(
+                f"{label:28} {chip_name:4} {row.get('compile_s', '-'):>9} "
+                f"{row.get('hbm_bytes', 0) / GiB:8.2f} {100 * row.get('hbm_fraction', 0):6.1f} "
+                f"{row.get('compiled_tpu_custom_calls', '-'):>9}  {'; '.join(bad)[:300]}",
+                flush=True,
+            )
+    for label in args.cases or ([] if args.ep else list(CASES)):
         layer, T, impl, weights = CASES[label]
         for chip_name in args.chips:
             row = {"case": label, **compile_one(LAYERS[layer], T, impl, weights, chip_name)}
