@@ -48,17 +48,23 @@ def test_pallas_compiles_for_tpu_within_vmem_and_hbm(tpu_compile, chip, T, weigh
 
 
 def test_auto_runs_a_kernel_only_on_the_chip_validated_json_lists(tpu_compile, tmp_path, monkeypatch):
-    """With a validated row for v5e only: "auto" compiled for v5e holds the Mosaic TPU kernels, for v6e not (its
-    grouped call takes ragged_dot there, chosen while lowering for TPU); the host's backend (CPU) plays no part."""
+    """With a validated row for v5e only: "auto" lowered for a v5e chip holds the Mosaic TPU kernels, for a v6e
+    chip not (its grouped call takes ragged_dot there, chosen while lowering for TPU); the host's backend (CPU)
+    plays no part. Lowered, not compiled: the choice is made while lowering."""
     import jax
 
+    import moejax
     import pallas_kernels
 
     rows = [{"kernel": "moe_grouped", "device_kind": "TPU v5 lite", "jax_version": jax.__version__}]
     table = tmp_path / "validated.json"
     table.write_text(json.dumps(rows))
     monkeypatch.setattr(pallas_kernels, "is_validated", functools.partial(pallas_kernels.is_validated, path=table))
-    v5e = tpu_compile.compile_one(tpu_compile.CI_LAYER, 64, "auto", "bfloat16", "v5e")
-    v6e = tpu_compile.compile_one(tpu_compile.CI_LAYER, 64, "auto", "bfloat16", "v6e")
-    assert v5e["tpu_custom_calls"] > 0 and not v5e["ragged_dot"], v5e
-    assert v6e["tpu_custom_calls"] == 0 and v6e["ragged_dot"], v6e
+    cfg = tpu_compile.CI_LAYER
+    texts = {}
+    for chip in ("v5e", "v6e"):
+        params, x = tpu_compile.abstract_inputs(cfg, 64, "bfloat16", tpu_compile.chip(chip)[0])
+        fn = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl="auto"))
+        texts[chip] = fn.lower(params, x).as_text()
+    assert "tpu_custom_call" in texts["v5e"] and "ragged_dot" not in texts["v5e"]
+    assert "tpu_custom_call" not in texts["v6e"] and "ragged_dot" in texts["v6e"]
