@@ -294,7 +294,8 @@ batching.primitive_batchers[choose_at_lowering_p] = _batch_choice
 # Without this, a jit's lowering context carries no devices (`ShardingContext.device_assignment` is None): JAX
 # hands them to primitives that declare they need them (as its cuDNN primitives do for the GPU's compute
 # capability). A private registry of jax 0.10 (jax._src.dispatch).
-dispatch.prim_requires_devices_during_lowering.update((choose_at_lowering_p, kernel_by_platform_p))
+# A JAX without it: device kinds are unknown while lowering (auto then takes no kernel; TPU tiles by default VMEM).
+getattr(dispatch, "prim_requires_devices_during_lowering", set()).update((choose_at_lowering_p, kernel_by_platform_p))
 
 
 def choose_at_lowering(
