@@ -13,11 +13,16 @@ candidates and takes the first that serves the call; when all fail, one error li
   "xla_decode"     union-of-experts decode over the stacked layout (T <= 8, T·K <= 64).
   "xla_grouped"    grouped plan over pairs sorted by expert, stacked layout (any T).
   "pallas_decode", "pallas_grouped"
-                   the Mosaic GPU kernels (`moejax.kernel_plans`), stacked dense or quantized weights; interpreted
-                   on CPU.
+                   the Pallas kernels (`moejax.kernel_plans`): Mosaic GPU where lowered for CUDA (interpreted on
+                   CPU), Mosaic TPU where lowered for TPU; stacked dense or quantized weights.
+  "ragged"         `moejax.ragged`: grouped matmuls on `jax.lax.ragged_dot` (stacked dense weights), any T. Runs
+                   on CPU too (densified by XLA:CPU: for tests), but "auto" takes it only on TPU/GPU.
 Families: "xla" (decode where it fits, else grouped), "cpu", "pallas" likewise.
-"auto": on a GPU, the kernels `pallas_kernels/validated.json` lists for it (and for the weight format: quantized
-kernels need their own rows); then the CPU plans when the weights are per-expert; then the XLA plans. The kernels
+"auto": the kernels `pallas_kernels/validated.json` lists for the devices the program is lowered for (and for the
+weight format: quantized kernels need their own rows); for grouped calls on TPU/GPU, "ragged"; then the CPU plans
+when the weights are per-expert; then the XLA plans. The platform and devices are those the program is lowered
+and compiled for (a compile-only TPU topology on a CPU host included), chosen while lowering
+(`pallas_kernels.platform.choose_at_lowering`), never the host's default backend. The kernels
 do not apply adapters: with `lora` they raise and "auto" runs the XLA/CPU plans.
 
 Gradients: `run_routed` wraps every backend but the reference in a `jax.custom_vjp` whose backward is the VJP of
@@ -35,7 +40,7 @@ from collections.abc import Callable
 import jax
 
 import pallas_kernels
-from moejax import kernel_plans
+from moejax import kernel_plans, ragged
 from moejax.experts import Slots, check_lora_slots, reference_routed
 from moejax.lora import ExpertLoRA, expert_ffn
 from moejax.plans import decode_fits, decode_plan, grouped_plan
@@ -105,6 +110,11 @@ def _pallas(kernel: Callable[..., Array]) -> RoutedFn:
     return run
 
 
+def _ragged(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora=None, block_rows=None) -> Array:
+    del block_rows
+    return ragged.ragged_grouped(experts, x, slots, act, lora=lora)
+
+
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
@@ -115,6 +125,7 @@ BACKENDS: dict[str, Backend] = {
         Backend("cpu_grouped", _cpu("switch_grouped")),
         Backend("xla_decode", _xla_decode, decode=True),
         Backend("xla_grouped", _xla_grouped),
+        Backend("ragged", _ragged),
     )
 }
 _FAMILIES = ("xla", "cpu", "pallas")
@@ -124,11 +135,11 @@ _KERNELS = {"pallas_decode": "moe_decode", "pallas_grouped": "moe_grouped"}
 
 
 def kernel_validated(name: str) -> bool:
-    """Whether kernel backend `name` may run under "auto": on a GPU backend, and listed in
-    `pallas_kernels/validated.json` for this device kind and JAX version (checked by benchmarks/gpu_bench.py)."""
-    if jax.default_backend() != "gpu":
-        return False
-    return pallas_kernels.is_validated(_KERNELS[name], jax.devices()[0].device_kind, jax.__version__)
+    """Whether kernel backend `name` may be a candidate of "auto": `pallas_kernels/validated.json` lists its kernel
+    for some device kind at this JAX version (checked by benchmarks/gpu_bench.py, tpu_bench.py). Where it then
+    runs is decided when the program is lowered: only for a device kind with a row (`kernel_plans.validated_on`),
+    never by the host's default backend."""
+    return pallas_kernels.is_validated(_KERNELS[name], None, jax.__version__)
 
 
 def _auto_may_run(name: str, experts: Experts) -> bool:
@@ -137,16 +148,14 @@ def _auto_may_run(name: str, experts: Experts) -> bool:
     weights = kernel_plans.weights_name(experts)
     if name not in _KERNELS or weights == "dense":
         return True
-    device_kind = jax.devices()[0].device_kind
-    return pallas_kernels.is_validated(_KERNELS[name], device_kind, jax.__version__, weights=weights)
+    return pallas_kernels.is_validated(_KERNELS[name], None, jax.__version__, weights=weights)
 
 
 def may_run_kernels(impl: str) -> bool:
-    """Whether `impl` runs a Pallas kernel for some call size (on a CPU program: under the Mosaic GPU interpreter)."""
+    """Whether `impl` may run a Pallas kernel in a CPU program (under the Mosaic GPU interpreter): "auto" never
+    does (its kernels run only where lowered for a validated accelerator)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
-    if impl == "auto":
-        return any(kernel_validated(name) for name in _KERNELS)
     return impl == "pallas" or impl in _KERNELS
 
 
@@ -159,7 +168,8 @@ def candidates(impl: str, num_rows: int, top_k: int) -> list[str]:
         return [f"{impl}_{kind}"]
     if impl == "auto":
         kernel = f"pallas_{kind}"
-        return [kernel] * kernel_validated(kernel) + [f"cpu_{kind}", f"xla_{kind}"]
+        ragged_dot = ["ragged"] * (kind == "grouped")  # on TPU/GPU only: chosen while lowering (_dispatch)
+        return [kernel] * kernel_validated(kernel) + ragged_dot + [f"cpu_{kind}", f"xla_{kind}"]
     if BACKENDS[impl].decode and kind != "decode":
         raise ValueError(f"impl={impl!r} serves at most 8 rows and 64 slots, got T={num_rows}, K={top_k}")
     return [impl]
@@ -205,12 +215,23 @@ def run_routed(
 
 
 def _dispatch(impl, names, experts, x, slots, act, lora, block_rows) -> Array:
+    def run(name, experts, x, slots, lora):
+        return BACKENDS[name].run(experts, x, slots, act, lora=lora, block_rows=block_rows)
+
     if len(names) == 1:
-        return BACKENDS[names[0]].run(experts, x, slots, act, lora=lora, block_rows=block_rows)
+        return run(names[0], experts, x, slots, lora)
     reasons = []
-    for name in names:
+    for i, name in enumerate(names):
         try:
-            return BACKENDS[name].run(experts, x, slots, act, lora=lora, block_rows=block_rows)
+            if impl != "auto" or name not in (*_KERNELS, "ragged"):
+                return run(name, experts, x, slots, lora)
+            # A kernel or ragged_dot serves this call: it, or the rest of the list, is chosen while lowering.
+            jax.eval_shape(functools.partial(run, name), experts, x, slots, lora)
+            fallback = lambda e, x, s, lo, i=i: _dispatch(impl, names[i + 1 :], e, x, s, act, lo, block_rows)
+            operands = (functools.partial(run, name), fallback, experts, x, slots, lora)
+            if name == "ragged":
+                return ragged.on_accelerators(*operands)
+            return kernel_plans.on_validated_devices(_KERNELS[name], kernel_plans.weights_name(experts), *operands)
         except NotImplementedError as err:
             reasons.append(f"{name}: {err}")
     raise NotImplementedError(f"impl={impl!r}: no implementation serves this call ({'; '.join(reasons)})")

@@ -30,6 +30,7 @@ from moejax.plans import decode_fits
 from moejax.quantized import QuantizedExperts
 from moejax.weights import Experts, ExpertWeights
 from pallas_kernels.activations import GatedActivation
+from pallas_kernels.platform import choose_at_lowering
 from pallas_kernels.quantized_weights import QuantizedWeight
 
 Array = jax.Array
@@ -117,3 +118,28 @@ def pallas_grouped(experts: Experts, x: Array, slots: Slots, act: GatedActivatio
     """
     (gate, up, down, indices, weights, in_scale), kwargs = _kernel_args("pallas_grouped", experts, slots, act, lora)
     return pallas_kernels.moe_grouped(x, gate, up, down, indices, weights, in_scale, **kwargs)
+
+
+def validated_on(kernel: str, weights: str, platform: str, device_kinds: frozenset[str] | None) -> bool:
+    """Whether `pallas_kernels/validated.json` lists `kernel` for `weights` on every device kind of a program
+    lowered for `platform` at this JAX version. Never on CPU (the kernels would run interpreted) nor where the
+    devices are unknown (`jax.export`)."""
+    if platform not in ("cuda", "rocm", "tpu") or not device_kinds:
+        return False
+    return all(pallas_kernels.is_validated(kernel, kind, jax.__version__, weights=weights) for kind in device_kinds)
+
+
+def on_validated_devices(kernel: str, weights: str, run_kernel, fallback, *operands) -> Array:
+    """`run_kernel(*operands)` where the program is lowered for devices on which `kernel` is validated for
+    `weights` (`validated_on`), else `fallback(*operands)`: decided while lowering, by the lowering platform and
+    the program's devices (`pallas_kernels.platform.choose_at_lowering`), so that a program compiled for a TPU or
+    GPU topology on a CPU host gets the kernel and the host's own programs the fallback."""
+    leaves, treedef = jax.tree.flatten(operands)
+
+    def branch(fn):
+        return lambda *leaves: fn(*jax.tree.unflatten(treedef, leaves))
+
+    def choose(platform: str, device_kinds: frozenset[str] | None) -> int:
+        return 0 if validated_on(kernel, weights, platform, device_kinds) else 1
+
+    return choose_at_lowering(choose, (branch(run_kernel), branch(fallback)), *leaves)

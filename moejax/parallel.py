@@ -38,7 +38,7 @@ rounds (every device runs as many as the busiest block needs, agreed by a `pmax`
 more chunks of P pairs (local: a `while` loop on the device). With K=8 of E=64 experts on 8 devices and T=4096 a
 token visits 5.4 devices on average, so C is 0.93·T/n rows and P 1.31·T·K/n pairs. A skewed routing costs time,
 never tokens or memory. Only the rows a token needs are filled, compacted at the front of each block, so a ragged
-all-to-all (`jax.lax.ragged_all_to_all`, GPU only) could later send just those rows; on CPU the static blocks move
+all-to-all (`jax.lax.ragged_all_to_all`, TPU and GPU) could later send just those rows; on CPU the static blocks move
 whole.
 
 LoRA adapters (`lora=` a `moejax.lora.stack`, `adapter_ids=` one id per row): the adapters of an expert live with

@@ -2,6 +2,8 @@
 
 * `moe_decode` (decode.py): union-of-experts decode, T <= 8 rows, every selected expert's weights read once.
 * `moe_grouped` (grouped.py): grouped prefill over pairs sorted by expert in block-aligned 64-row tiles.
+* `moe_tpu_decode` (tpu_decode.py), `moe_tpu_grouped` (tpu_grouped.py, on jax's megablox `gmm`): the same two ops
+  on Mosaic TPU (bf16/float32 weights), which `moe_decode` / `moe_grouped` lower to in programs built for TPU.
 
 Weights are dense arrays or `QuantizedWeight`s (quantized_weights.py: int8/int4 group-wise, FP8 128x128 blocks,
 MXFP4, NVFP4 codes and scales, dequantized in registers to bf16 before each wgmma); the codes are decoded by
@@ -25,7 +27,14 @@ from pallas_kernels.activations import GatedActivation
 from pallas_kernels.decode import DecodeBlockSizes, moe_decode, moe_decode_reference
 from pallas_kernels.expert_tiles import TileBlockSizes
 from pallas_kernels.grouped import GroupedBlockSizes, moe_grouped, moe_grouped_reference
+from pallas_kernels.platform import register_tpu_variant
 from pallas_kernels.quantized_weights import QuantizedWeight, dequantize_weight
+from pallas_kernels.tpu_decode import TpuDecodeBlockSizes, moe_tpu_decode, moe_tpu_decode_reference
+from pallas_kernels.tpu_grouped import TpuGroupedBlockSizes, moe_tpu_grouped, moe_tpu_grouped_reference
+
+# Programs lowered for TPU run the Mosaic TPU kernels in place of the Mosaic GPU ones (platform.py).
+register_tpu_variant(moe_decode, moe_tpu_decode)
+register_tpu_variant(moe_grouped, moe_tpu_grouped)
 
 KERNELS = ("moe_decode", "moe_grouped")
 VALIDATED_PATH = Path(__file__).with_name("validated.json")
@@ -41,17 +50,18 @@ def validated_records(path: Path = VALIDATED_PATH) -> tuple[dict, ...]:
 
 
 def is_validated(
-    kernel_name: str, device_kind: str, jax_version: str, path: Path = VALIDATED_PATH, *, weights: str = "dense"
+    kernel_name: str, device_kind: str | None, jax_version: str, path: Path = VALIDATED_PATH, *, weights: str = "dense"
 ) -> bool:
     """Whether `kernel_name` was checked against its reference on `device_kind` (e.g. "NVIDIA H200") with
     exactly this JAX version: a new JAX (a new Mosaic GPU compiler) or a new GPU needs a new check. `weights`: the
     weight format of the check, a row's `"weights"` field ("dense" when absent; quantized formats by name, e.g.
-    "int8_g128_sym", "fp8_block": each quantized kernel body needs its own check)."""
+    "int8_g128_sym", "fp8_block": each quantized kernel body needs its own check). `device_kind=None`: on any
+    device kind (TPU rows name theirs as JAX does, e.g. "TPU v5 lite")."""
     if kernel_name not in KERNELS:
         raise ValueError(f"kernel_name={kernel_name!r} is not one of {KERNELS}")
     return any(
         r.get("kernel") == kernel_name
-        and r.get("device_kind") == device_kind
+        and (device_kind is None or r.get("device_kind") == device_kind)
         and r.get("jax_version") == jax_version
         and r.get("weights", "dense") == weights
         for r in validated_records(Path(path))
@@ -66,11 +76,17 @@ __all__ = [
     "GroupedBlockSizes",
     "QuantizedWeight",
     "TileBlockSizes",
+    "TpuDecodeBlockSizes",
+    "TpuGroupedBlockSizes",
     "dequantize_weight",
     "is_validated",
     "moe_decode",
     "moe_decode_reference",
     "moe_grouped",
     "moe_grouped_reference",
+    "moe_tpu_decode",
+    "moe_tpu_decode_reference",
+    "moe_tpu_grouped",
+    "moe_tpu_grouped_reference",
     "validated_records",
 ]

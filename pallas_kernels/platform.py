@@ -29,7 +29,18 @@ waiting callback holds an XLA:CPU worker thread the running kernel needs, which 
 A failed interpretation (an error in a kernel, or that overlap) leaves the simulated GPU and the lock behind: call
 `reset_interpreter()` before interpreting again (the interpreter itself needs it after any error).
 
-Only inference: the primitive has no JVP or batching rule.
+A "tpu" rule lowers the op's TPU variant where one is registered (`register_tpu_variant(op, tpu_op)`: a Mosaic
+TPU kernel with the same arguments and output, called with `interpret=False` and the `device_kind` of the
+program's TPU; the GPU op's `block_sizes` are not passed to it), so the same call runs the Mosaic GPU kernel in a
+program built for CUDA and the Mosaic TPU kernel in one built for TPU (a compile-only TPU topology on a CPU host
+included).
+
+`choose_at_lowering` is the same idea for a choice between whole implementations (moejax's `impl="auto"`): each
+is traced, and the lowering rule picks one from the lowering platform and the device kinds of the devices the
+program is compiled for (`LoweringRuleContext.module_context`: its platforms and axis context), never from the
+host's default backend.
+
+Only inference: the primitives have no JVP or batching rule.
 """
 
 from __future__ import annotations
@@ -42,10 +53,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import dispatch
 from jax.experimental import io_callback
 from jax.extend import core as jex_core
 from jax.extend.mlir.dialects import stablehlo as hlo
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 Array = jax.Array
 
@@ -63,10 +75,18 @@ class _OpCall:
         return self.op.__name__
 
     def __call__(self, *arrays: Array, interpret: bool) -> Array:
+        args, kwargs = self._unflatten(arrays)
+        return self.op(*args, **kwargs, interpret=interpret)
+
+    def tpu(self, *arrays: Array, device_kind: str | None) -> Array:
+        args, kwargs = self._unflatten(arrays)
+        kwargs.pop("block_sizes", None)  # the GPU op's blocks; the TPU op picks its own per TPU generation
+        return _TPU_VARIANTS[self.op](*args, **kwargs, device_kind=device_kind, interpret=False)
+
+    def _unflatten(self, arrays):
         it = iter(arrays)
         leaves = [next(it) if a else s for a, s in zip(self.is_array, self.static, strict=True)]
-        args, kwargs = jax.tree.unflatten(self.treedef, leaves)
-        return self.op(*args, **kwargs, interpret=interpret)
+        return jax.tree.unflatten(self.treedef, leaves)
 
 
 kernel_by_platform_p = jex_core.Primitive("kernel_by_platform")
@@ -169,13 +189,32 @@ def _lower_interpreted(ctx: mlir.LoweringRuleContext, *args, call: _OpCall):
     return outs
 
 
+_TPU_VARIANTS: dict[Callable[..., Array], Callable[..., Array]] = {}
+
+
+def register_tpu_variant(op: Callable[..., Array], tpu_op: Callable[..., Array]) -> None:
+    """Lower `op` (an `interpret_by_platform` op) as `tpu_op(..., device_kind=..., interpret=False)` for TPU."""
+    _TPU_VARIANTS[op.__wrapped__] = tpu_op
+
+
+def _lower_tpu(ctx: mlir.LoweringRuleContext, *args, call: _OpCall):
+    if call.op not in _TPU_VARIANTS:
+        raise NotImplementedError(f"{call}: no Mosaic TPU kernel (lowering for TPU)")
+    kinds = lowering_device_kinds(ctx.module_context.axis_context)
+    device_kind = next(iter(kinds)) if kinds and len(kinds) == 1 else None
+    tpu = functools.partial(call.tpu, device_kind=device_kind)
+    return mlir.lower_fun(tpu, multiple_results=False)(ctx, *args)
+
+
 mlir.register_lowering(kernel_by_platform_p, _lower_compiled, platform="cuda")
 mlir.register_lowering(kernel_by_platform_p, _lower_interpreted, platform="cpu")
+mlir.register_lowering(kernel_by_platform_p, _lower_tpu, platform="tpu")
 
 
 def interpret_by_platform(op: Callable[..., Array]) -> Callable[..., Array]:
     """Decorate a kernel op `op(..., *, interpret: bool | None = None, ...) -> Array`: with `interpret=None` the
-    lowering platform decides (cuda: compiled, cpu: interpreted); True/False are passed to `op` unchanged."""
+    lowering platform decides (cuda: compiled, cpu: interpreted, tpu: the registered TPU variant); True/False are
+    passed to `op` unchanged (the Mosaic GPU kernel)."""
 
     @functools.wraps(op)
     def wrapper(*args, interpret: bool | None = None, **kwargs) -> Array:
@@ -188,3 +227,86 @@ def interpret_by_platform(op: Callable[..., Array]) -> Callable[..., Array]:
         return kernel_by_platform_p.bind(*arrays, call=_OpCall(op, treedef, is_array, static))
 
     return wrapper
+
+
+# A choice between implementations, made while lowering. `choose(platform, device_kinds) -> index` gets the one
+# lowering platform ("cpu", "cuda", "rocm", "tpu") and the device kinds of the program's devices (None where the
+# program has none: `jax.export`); a program lowered for several platforms at once gets the last branch.
+
+choose_at_lowering_p = jex_core.Primitive("choose_at_lowering")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Choice:
+    branches: tuple[Callable[..., Array], ...]
+    choose: Callable[[str, frozenset[str] | None], int]
+
+    def __repr__(self) -> str:
+        return "|".join(getattr(b, "__name__", "branch") for b in self.branches)
+
+
+choose_at_lowering_p.def_abstract_eval(lambda *avals, choice: jax.make_jaxpr(choice.branches[-1])(*avals).out_avals[0])
+choose_at_lowering_p.def_impl(
+    lambda *arrays, choice: jax.jit(lambda *a: choose_at_lowering_p.bind(*a, choice=choice))(*arrays)
+)
+
+
+def lowering_device_kinds(axis_context: Any) -> frozenset[str] | None:
+    """The device kinds of the devices a program is lowered for (a jit's device assignment, or the mesh of an
+    enclosing `shard_map`); None where the lowering has no devices (`jax.export`, an abstract mesh)."""
+    devices = getattr(axis_context, "device_assignment", None)
+    if devices is None:
+        mesh = getattr(axis_context, "mesh", None)
+        try:
+            devices = None if mesh is None else list(mesh.devices.flat)
+        except (AttributeError, ValueError):  # an AbstractMesh has no devices
+            devices = None
+    return None if not devices else frozenset(d.device_kind for d in devices)
+
+
+def _lower_choice(ctx: mlir.LoweringRuleContext, *args, choice: _Choice):
+    platforms = tuple(ctx.module_context.platforms)
+    index = len(choice.branches) - 1
+    if len(platforms) == 1:
+        index = choice.choose(platforms[0], lowering_device_kinds(ctx.module_context.axis_context))
+    return mlir.lower_fun(choice.branches[index], multiple_results=False)(ctx, *args)
+
+
+mlir.register_lowering(choose_at_lowering_p, _lower_choice)
+
+
+def _batch_choice(args, dims, *, choice: _Choice):
+    # One call per batch element, in a loop (`lax.map`), each still chosen while lowering: a branch may have no
+    # batching rule of its own (`ragged_dot` under vmap is not implemented for every axis in jax 0.10).
+    mapped = [i for i, d in enumerate(dims) if isinstance(d, int)]
+    batched = [jax.numpy.moveaxis(args[i], dims[i], 0) for i in mapped]
+
+    def one(elements):
+        full = list(args)
+        for i, element in zip(mapped, elements, strict=True):
+            full[i] = element
+        return choose_at_lowering_p.bind(*full, choice=choice)
+
+    return jax.lax.map(one, batched), 0
+
+
+batching.primitive_batchers[choose_at_lowering_p] = _batch_choice
+# Without this, a jit's lowering context carries no devices (`ShardingContext.device_assignment` is None): JAX
+# hands them to primitives that declare they need them (as its cuDNN primitives do for the GPU's compute
+# capability). A private registry of jax 0.10 (jax._src.dispatch).
+# A JAX without it: device kinds are unknown while lowering (auto then takes no kernel; TPU tiles by default VMEM).
+getattr(dispatch, "prim_requires_devices_during_lowering", set()).update((choose_at_lowering_p, kernel_by_platform_p))
+
+
+def choose_at_lowering(
+    choose: Callable[[str, frozenset[str] | None], int], branches: tuple[Callable[..., Array], ...], *arrays: Array
+) -> Array:
+    """`branches[choose(platform, device_kinds)](*arrays)`, decided when the program is lowered.
+
+    Args:
+      choose: `(lowering platform, device kinds or None) -> index into branches`.
+      branches: functions of `arrays` with the same output type (one array); each must trace on any host, and
+        none may carry effects (the lowering keeps one branch only).
+      arrays: the operands.
+    """
+    return choose_at_lowering_p.bind(*arrays, choice=_Choice(tuple(branches), choose))

@@ -1,0 +1,182 @@
+"""Grouped prefill on Mosaic TPU: (token, slot) pairs sorted by expert, multiplied by jax's megablox `gmm`.
+
+Lowering: **Mosaic TPU**, through `jax.experimental.pallas.ops.tpu.megablox.gmm` (a Pallas TPU grouped matmul:
+per m-tile of sorted rows the group's `[tk, tn]` weight tiles, pipelined HBM -> VMEM, MXU with a float32 VMEM
+accumulator; tiles of empty groups are never visited). The TPU counterpart of `grouped.py` (Mosaic GPU), same
+signature, same reference; `pallas_kernels.platform` lowers it where a program is built for TPU.
+
+1. Stable argsort of the T·K pairs by expert (ids outside [0, E) last, in no group); `group_sizes [E]`; rows
+   gathered in that order (scaled by their input scales) and padded to a multiple of the row tile.
+2. `gmm(rows, gate)`, `gmm(rows, up)` float32; biases added per row; the activation; h in the weight dtype;
+   `gmm(h, down)` float32. Rows in no group are never written by gmm (their values are undefined).
+3. Each pair's row gathered back; each token's slots summed with their weights in slot order (rows of ids
+   outside, and slots of weight 0, contribute exactly 0).
+
+The activation runs between the gate/up and down products in XLA, not fused in the kernel (h makes one round
+trip through HBM: `T·K·I` elements, small next to the weights at prefill sizes).
+
+Weights: bf16 or float32, stacked. Float16 and quantized weights raise `NotImplementedError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+from pallas_kernels.activations import GatedActivation
+from pallas_kernels.expert_tiles import check_moe_inputs, combine_slots, dense_reference, require_activation, round_up
+from pallas_kernels.tpu_decode import block_along, check_tpu_weights, interpret_params, vmem_limit
+
+Array = jax.Array
+
+# The MXU's side by `device_kind`: row tiles of 256 fill v6e's 256x256 MXU, 128 the 128x128 ones.
+_MXU = {"TPU v6 lite": 256, "TPU v6e": 256, "TPU7x": 256}
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuGroupedBlockSizes:
+    """Tiles `(tm, tk, tn)` of gmm for gate/up (`gate_up`, over [rows, H] x [H, I]) and down ([rows, I] x [I, H]).
+
+    tm: rows per tile (a multiple of 8); tk, tn: multiples of 128 (gmm masks a partial last block), or the whole
+    dimension.
+    """
+
+    gate_up: tuple[int, int, int]
+    down: tuple[int, int, int]
+
+    def __post_init__(self) -> None:
+        for name in ("gate_up", "down"):
+            t = getattr(self, name)
+            if len(t) != 3 or not all(isinstance(v, int) and v > 0 for v in t) or t[0] % 8:
+                raise ValueError(f"TpuGroupedBlockSizes.{name} must be 3 positive ints, tm % 8 == 0, got {t!r}")
+
+    @classmethod
+    def default(
+        cls, rows: int, hidden: int, inter: int, dtype: Any, device_kind: str | None = None
+    ) -> TpuGroupedBlockSizes:
+        """tm: the MXU side (at most the rows, rounded to 8); tn up to 512; tk as long as a quarter of the scoped
+        VMEM holds the double-buffered lhs and rhs tiles."""
+        item = jnp.dtype(dtype).itemsize
+        budget = vmem_limit(device_kind) // 4
+        tm = min(_MXU.get(device_kind or "", 128), round_up(rows, 8))
+
+        def tiles(k: int, n: int) -> tuple[int, int, int]:
+            # gmm masks a partial last block of k and clips one of n.
+            tn = block_along(n, 512, partial=True)
+            tk = block_along(k, max(128, budget // (2 * item * (tm + tn))), partial=True)
+            return tm, tk, tn
+
+        return cls(tiles(hidden, inter), tiles(inter, hidden))
+
+
+def moe_tpu_grouped(
+    x: Array,
+    gate: Array,
+    up: Array,
+    down: Array,
+    indices: Array,
+    weights: Array,
+    in_scale: Array | None = None,
+    *,
+    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
+    gate_bias: Array | None = None,
+    up_bias: Array | None = None,
+    down_bias: Array | None = None,
+    block_sizes: TpuGroupedBlockSizes | None = None,
+    device_kind: str | None = None,
+    interpret: bool = False,
+) -> Array:
+    """Routed experts for any number of rows on Mosaic TPU (module docstring).
+
+    Args:
+      x: `[T, H]` rows (cast to the weight dtype for the matmuls).
+      gate, up: `[E, H, I]`; down: `[E, I, H]`, bf16 or float32.
+      indices: `[T, K]` int expert ids; ids outside [0, E) contribute nothing.
+      weights: `[T, K]` output weight of each slot. in_scale: `[T, K]` input scale of each slot (each pair is
+        scaled on its own), or None.
+      activation: the gated activation. gate_bias, up_bias `[E, I]`, down_bias `[E, H]`: all or none.
+      block_sizes: `TpuGroupedBlockSizes`, default `TpuGroupedBlockSizes.default(T·K, H, I, dtype, device_kind)`.
+      device_kind: the TPU the program is compiled for (sizes the tiles; `pallas_kernels.platform` passes it).
+      interpret: run under Pallas's TPU interpreter (on CPU, for tests).
+
+    Returns:
+      `[T, H]` float32.
+    """
+    biases = (gate_bias, up_bias, down_bias)
+    check_moe_inputs("moe_tpu_grouped", x, gate, up, down, indices, weights, in_scale, biases)
+    require_activation("moe_tpu_grouped", activation)
+    check_tpu_weights("moe_tpu_grouped", gate)
+    T, H = x.shape
+    E, _, I = gate.shape
+    K = indices.shape[1]
+    M = T * K
+    dtype = gate.dtype
+    bs = block_sizes or TpuGroupedBlockSizes.default(M, H, I, dtype, device_kind)
+    rows_padded = round_up(M, math.lcm(bs.gate_up[0], bs.down[0]))
+
+    ids = indices.reshape(-1).astype(jnp.int32)
+    expert_of_pair = jnp.where((ids >= 0) & (ids < E), ids, E)  # [M]; outside -> E, sorted last
+    order = jnp.argsort(expert_of_pair, stable=True)  # [M] the pair at each sorted row
+    sorted_expert = jnp.minimum(expert_of_pair[order], E - 1)  # for bias gathers only
+    group_sizes = jnp.bincount(expert_of_pair, length=E + 1)[:E].astype(jnp.int32)  # [E]
+    rows = x[order // K].astype(jnp.float32)  # [M, H]
+    if in_scale is not None:
+        rows = rows * in_scale.reshape(-1).astype(jnp.float32)[order][:, None]
+    rows = jnp.pad(rows.astype(dtype), ((0, rows_padded - M), (0, 0)))  # [R, H]
+    run = dict(preferred_element_type=jnp.float32, interpret=interpret_params(interpret))
+
+    g = gmm(rows, gate, group_sizes, tiling=bs.gate_up, **run)[:M]  # [M, I]
+    u = gmm(rows, up, group_sizes, tiling=bs.gate_up, **run)[:M]
+    if gate_bias is not None:
+        g = g + gate_bias.astype(jnp.float32)[sorted_expert]
+        u = u + up_bias.astype(jnp.float32)[sorted_expert]
+    h = jnp.pad(activation(g, u).astype(dtype), ((0, rows_padded - M), (0, 0)))  # [R, I]
+    y = gmm(h, down, group_sizes, tiling=bs.down, **run)[:M]  # [M, H]
+    if down_bias is not None:
+        y = y + down_bias.astype(jnp.float32)[sorted_expert]
+    # Un-sort by a gather: XLA:TPU compiles a [M, H] scatter far more slowly (28 s against 5 s at M=16384).
+    sorted_row = jnp.zeros(M, jnp.int32).at[order].set(jnp.arange(M, dtype=jnp.int32))  # [M] each pair's row
+    per_pair = y[sorted_row]  # [M, H]
+    return combine_slots(per_pair.reshape(T, K, H), indices, weights, E)
+
+
+def moe_tpu_grouped_reference(
+    x: Array,
+    gate: Array,
+    up: Array,
+    down: Array,
+    indices: Array,
+    weights: Array,
+    in_scale: Array | None = None,
+    *,
+    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
+    gate_bias: Array | None = None,
+    up_bias: Array | None = None,
+    down_bias: Array | None = None,
+    block_sizes: TpuGroupedBlockSizes | None = None,
+    device_kind: str | None = None,
+    interpret: bool = False,
+) -> Array:
+    """Plain-jnp `moe_tpu_grouped` (dense over experts); `block_sizes`, `device_kind`, `interpret` exist for
+    signature parity."""
+    del block_sizes, device_kind, interpret
+    biases = (gate_bias, up_bias, down_bias)
+    check_moe_inputs("moe_tpu_grouped_reference", x, gate, up, down, indices, weights, in_scale, biases)
+    return dense_reference(
+        x,
+        gate,
+        up,
+        down,
+        indices,
+        weights,
+        in_scale,
+        activation=activation,
+        gate_bias=gate_bias,
+        up_bias=up_bias,
+        down_bias=down_bias,
+    )
