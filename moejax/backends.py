@@ -7,6 +7,8 @@ adapters, each row's id in `slots.adapter`), prepares the weights it needs itsel
 candidates and takes the first that serves the call; when all fail, one error lists each one's reason.
 
   "reference"      dense float32: every expert on every token, masked, one expert at a time. The oracle.
+  "native"         `moejax.native_cpu`: the C++ kernels through XLA's FFI (csrc/), any T, every weight format and
+                   layout; no adapters. Optional: built by `pip install` when a C++ compiler is present.
   "cpu_decode"     `moejax.cpu_plans`: per-expert layout, `lax.switch` to each union expert (weights read in
                    place by XLA:CPU), T <= 8 rows and T·K <= 64 slots.
   "cpu_grouped"    `moejax.cpu_plans`: per-expert layout, pairs sorted by expert, blocks dispatched by `lax.switch`.
@@ -17,8 +19,9 @@ candidates and takes the first that serves the call; when all fail, one error li
                    on CPU.
 Families: "xla" (decode where it fits, else grouped), "cpu", "pallas" likewise.
 "auto": on a GPU, the kernels `pallas_kernels/validated.json` lists for it (and for the weight format: quantized
-kernels need their own rows); then the CPU plans when the weights are per-expert; then the XLA plans. The kernels
-do not apply adapters: with `lora` they raise and "auto" runs the XLA/CPU plans.
+kernels need their own rows); on CPU the native kernels when built; then the CPU plans when the weights are
+per-expert; then the XLA plans. The kernels do not apply adapters: with `lora` they raise and "auto" runs the
+XLA/CPU plans.
 
 Gradients: `run_routed` wraps every backend but the reference in a `jax.custom_vjp` whose backward is the VJP of
 `reference_routed` (the plans' loops with device trip counts are not reverse-differentiable). Gradients w.r.t. x,
@@ -97,6 +100,13 @@ def _cpu(plan_name: str) -> RoutedFn:
     return run
 
 
+def _native(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora=None, block_rows=None) -> Array:
+    del block_rows
+    from moejax import native_cpu  # the optional extension loads on first use
+
+    return native_cpu.routed_experts(experts, x, slots, act, lora=lora)
+
+
 def _pallas(kernel: Callable[..., Array]) -> RoutedFn:
     def run(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora=None, block_rows=None) -> Array:
         del block_rows
@@ -109,6 +119,7 @@ BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
         Backend("reference", _reference),
+        Backend("native", _native),
         Backend("pallas_decode", _pallas(kernel_plans.pallas_decode), decode=True),
         Backend("pallas_grouped", _pallas(kernel_plans.pallas_grouped)),
         Backend("cpu_decode", _cpu("switch_decode"), decode=True),
@@ -129,6 +140,12 @@ def kernel_validated(name: str) -> bool:
     if jax.default_backend() != "gpu":
         return False
     return pallas_kernels.is_validated(_KERNELS[name], jax.devices()[0].device_kind, jax.__version__)
+
+
+def _native_available() -> bool:
+    from moejax import native_cpu
+
+    return native_cpu.available()
 
 
 def _auto_may_run(name: str, experts: Experts) -> bool:
@@ -159,7 +176,8 @@ def candidates(impl: str, num_rows: int, top_k: int) -> list[str]:
         return [f"{impl}_{kind}"]
     if impl == "auto":
         kernel = f"pallas_{kind}"
-        return [kernel] * kernel_validated(kernel) + [f"cpu_{kind}", f"xla_{kind}"]
+        native = ["native"] * _native_available()
+        return [kernel] * kernel_validated(kernel) + native + [f"cpu_{kind}", f"xla_{kind}"]
     if BACKENDS[impl].decode and kind != "decode":
         raise ValueError(f"impl={impl!r} serves at most 8 rows and 64 slots, got T={num_rows}, K={top_k}")
     return [impl]
