@@ -479,9 +479,29 @@ static PyObject* registrations(PyObject*, PyObject*) {
 
 static PyObject* isa(PyObject*, PyObject*) { return PyUnicode_FromString(moe::g_isa); }
 
+// set_isa("generic" | "best"): the portable kernels or the best for this CPU, for calls that start afterwards
+// (tests compare the variants in one process).
+static PyObject* set_isa(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (!name) return nullptr;
+  if (std::string(name) == "generic") {
+    moe::g_kernels = moe::generic::kTable;
+    moe::g_isa = "generic";
+  } else if (std::string(name) == "best") {
+    moe::g_kernels = moe::generic::kTable;
+    moe::g_isa = "generic";
+    moe::select_isa();
+  } else {
+    PyErr_SetString(PyExc_ValueError, "set_isa: expected 'generic' or 'best'");
+    return nullptr;
+  }
+  return PyUnicode_FromString(moe::g_isa);
+}
+
 static PyMethodDef kMethods[] = {
     {"registrations", registrations, METH_NOARGS, "{target name: PyCapsule of its XLA FFI handler}"},
     {"isa", isa, METH_NOARGS, "the instruction set of the kernels chosen at load ('avx2' or 'generic')"},
+    {"set_isa", set_isa, METH_O, "set_isa('generic' | 'best') -> the instruction set now used"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -37,6 +37,7 @@ _DENSE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.f
 _FUSED = 3  # + the dense dtype's index
 _QUANTIZED = {("int", 8): 6, ("int", 4): 7, ("fp8_block", 8): 8, ("mxfp4", 4): 9, ("nvfp4", 4): 10}
 _ACT_KINDS = {"silu": 0, "gelu_tanh": 1, "gpt_oss": 2}
+_REGISTERED: set[str] = set()
 _SCALE_DTYPES = {"int": "float32", "fp8_block": "float32", "mxfp4": "uint8", "nvfp4": "float8_e4m3fn"}
 
 
@@ -50,7 +51,9 @@ def _module():
     except ImportError:
         return None
     for name, capsule in module.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+        if name not in _REGISTERED:  # once per process (the cache may be cleared)
+            jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+            _REGISTERED.add(name)
     return module
 
 
