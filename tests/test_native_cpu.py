@@ -339,13 +339,13 @@ def test_without_the_extension_auto_runs_the_cpu_plans(monkeypatch):
     monkeypatch.setitem(sys.modules, "moejax._native_cpu", None)  # import raises ImportError
     try:
         assert not native_cpu.available() and native_cpu.isa() is None
-        cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=16, intermediate_size=8)
+        cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=16, intermediate_size=8, num_experts=4, top_k=2)
         params = moejax.init_params(cfg, jax.random.key(0))
         x = _x(3, 16)
         assert "native" not in backends.candidates("auto", 3, cfg.top_k)
         assert moejax.forward.chosen_impl(params, x, cfg) == "cpu_decode"
         with pytest.raises(NotImplementedError, match="not built"):
-            native_cpu.routed_experts(params.experts, x, _slots(3, 2, 16, 0), ACTIVATIONS["silu"])
+            native_cpu.routed_experts(params.experts, x, _slots(3, 2, 4, 0), ACTIVATIONS["silu"])
         monkeypatch.setenv("MOEJAX_NATIVE", "0")  # the run-time switch hides a built extension too
         monkeypatch.delitem(sys.modules, "moejax._native_cpu")
         native_cpu._module.cache_clear()
