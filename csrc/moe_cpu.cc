@@ -211,17 +211,26 @@ namespace generic {
 }  // namespace generic
 
 #if MOE_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#endif
 namespace avx2 {
 #include "vec_avx2.inc"
 #include "kernels.inc"
 }  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
 #endif
+#endif
 
-static const Kernels* g_kernels = generic::kTable;
-static const char* g_isa = "generic";
+// The kernels of the chosen ISA (set at load; set_isa switches them between calls, for tests).
+static std::atomic<const Kernels*> g_kernels{generic::kTable};
+static std::atomic<const char*> g_isa{"generic"};
 
 // Picks the variant for this CPU; MOEJAX_NATIVE_ISA=generic forces the portable one (tests).
 static void select_isa() {
@@ -420,7 +429,7 @@ static ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
   job.chunk_gu = chunk_width(job.fmt);
   job.chunk_down = chunk_width(job.fmt);
 
-  const Kernels& k = g_kernels[job.fmt];
+  const Kernels& k = g_kernels.load(std::memory_order_relaxed)[job.fmt];
   const int U = static_cast<int>(job.union_ids.size());
   const int mt = static_cast<int>(max_threads);
   const int n_gu = (job.I + job.chunk_gu - 1) / job.chunk_gu;
@@ -477,7 +486,7 @@ static PyObject* registrations(PyObject*, PyObject*) {
   return dict;
 }
 
-static PyObject* isa(PyObject*, PyObject*) { return PyUnicode_FromString(moe::g_isa); }
+static PyObject* isa(PyObject*, PyObject*) { return PyUnicode_FromString(moe::g_isa.load()); }
 
 // set_isa("generic" | "best"): the portable kernels or the best for this CPU, for calls that start afterwards
 // (tests compare the variants in one process).
@@ -495,7 +504,7 @@ static PyObject* set_isa(PyObject*, PyObject* arg) {
     PyErr_SetString(PyExc_ValueError, "set_isa: expected 'generic' or 'best'");
     return nullptr;
   }
-  return PyUnicode_FromString(moe::g_isa);
+  return PyUnicode_FromString(moe::g_isa.load());
 }
 
 static PyMethodDef kMethods[] = {
