@@ -2,8 +2,9 @@
 //
 // One call computes out[t] = Σ_k w[t,k] · E_{idx[t,k]}(s · x[t]) for all rows:
 //   0. (calling thread) the union of the chosen experts and, per union expert, its rows: a row that chose the
-//      expert in several slots is computed once, on its summed input scale (Llama-4's form); slots with a skipped
-//      id (outside [0, E)) or weight 0 contribute exactly 0 and are never computed.
+//      expert in several slots is computed once, on its summed input scale (Llama-4's form), and rows with
+//      bit-identical inputs once; slots with a skipped id (outside [0, E)) or weight 0 contribute exactly 0 and
+//      are never computed.
 //   1. gate/up -> activation, work items (union expert x chunk of I columns): each union expert's weights are read
 //      once per call, for all of its rows.
 //   2. down (+ bias), work items (union expert x chunk of H columns).
@@ -277,68 +278,91 @@ static void parallel_for(ffi::ThreadPool* pool, int64_t n, int max_threads, std:
 }
 
 // -- phase 0 -------------------------------------------------------------------------------------------------
-// Union experts (ascending id), their rows (ascending t) and each slot's pair. scaled: per pair s·x when
-// in_scale is given (the summed scale of the row's slots with that expert).
+static uint64_t row_hash(const float* row, int H) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the row's bytes
+  const unsigned char* b = reinterpret_cast<const unsigned char*>(row);
+  for (size_t i = 0; i < static_cast<size_t>(H) * sizeof(float); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+// Union experts (ascending id), their rows (ascending t) and each slot's pair. A row that chose an expert in
+// several slots is one pair (on the summed input scale of those slots); rows with bit-identical inputs (x and
+// scale) share one pair too (8 copies of a token compute one row per expert; by construction a row's result does
+// not depend on which pair computes it). scaled: the pairs' s·x rows when in_scale is given.
 static void build_routing(Job& job, const float* x, const int32_t* idx, const float* weight, const float* in_scale,
                           std::vector<float>& scaled) {
   const int T = job.T, K = job.K, E = job.E, H = job.H;
-  std::vector<int> count(E, 0);
-  std::vector<int> first_slot(static_cast<size_t>(T) * K, -1);  // slot k's first kept slot with its expert
-  int P = 0;
+  std::vector<uint64_t> hash(T);
+  for (int t = 0; t < T; ++t) hash[t] = row_hash(x + static_cast<size_t>(t) * H, H);
+  struct Rep {
+    int t;
+    float scale;
+  };
+  std::vector<std::vector<Rep>> reps(E);                  // the distinct inputs of each expert, in order of t
+  std::vector<int> slot_rep(static_cast<size_t>(T) * K, -1);  // index into reps[expert], -1: contributes 0
   for (int t = 0; t < T; ++t) {
+    const float* row = x + static_cast<size_t>(t) * H;
     for (int k = 0; k < K; ++k) {
       const size_t s = static_cast<size_t>(t) * K + k;
       const int e = idx[s];
       if (e < 0 || e >= E || weight[s] == 0.0f) continue;
-      int first = k;
-      for (int j = 0; j < k; ++j)
-        if (first_slot[static_cast<size_t>(t) * K + j] == j && idx[static_cast<size_t>(t) * K + j] == e) first = j;
-      first_slot[s] = first;
-      if (first == k) {
-        ++count[e];
-        ++P;
+      int first = -1;  // an earlier kept slot of the row with the same expert
+      for (int j = 0; j < k && first < 0; ++j)
+        if (slot_rep[static_cast<size_t>(t) * K + j] >= 0 && idx[static_cast<size_t>(t) * K + j] == e) first = j;
+      if (first >= 0) {
+        slot_rep[s] = slot_rep[static_cast<size_t>(t) * K + first];
+        continue;
       }
+      float sc = 1.0f;
+      if (in_scale) {  // every valid slot of the row with expert e, whatever its weight (reference_routed)
+        sc = 0.0f;
+        for (int j = 0; j < K; ++j)
+          if (idx[static_cast<size_t>(t) * K + j] == e) sc += in_scale[static_cast<size_t>(t) * K + j];
+      }
+      std::vector<Rep>& list = reps[e];
+      int r = -1;
+      for (size_t q = 0; q < list.size() && r < 0; ++q) {
+        const Rep& c = list[q];
+        if (hash[c.t] == hash[t] && std::memcmp(&c.scale, &sc, sizeof(float)) == 0 &&
+            std::memcmp(x + static_cast<size_t>(c.t) * H, row, sizeof(float) * H) == 0)
+          r = static_cast<int>(q);
+      }
+      if (r < 0) {
+        r = static_cast<int>(list.size());
+        list.push_back({t, sc});
+      }
+      slot_rep[s] = r;
     }
   }
-  std::vector<int> start(E + 1, 0), union_of(E, -1);
+  std::vector<int> start(E + 1, 0);
   job.union_ids.clear();
   job.pair_start.assign(1, 0);
   for (int e = 0; e < E; ++e) {
-    start[e + 1] = start[e] + count[e];
-    if (count[e]) {
-      union_of[e] = static_cast<int>(job.union_ids.size());
+    start[e + 1] = start[e] + static_cast<int>(reps[e].size());
+    if (!reps[e].empty()) {
       job.union_ids.push_back(e);
       job.pair_start.push_back(start[e + 1]);
     }
   }
+  const int P = start[E];
   job.pair_x.assign(P, nullptr);
-  job.slot_pair.assign(static_cast<size_t>(T) * K, -1);
   if (in_scale) scaled.resize(static_cast<size_t>(P) * H);
-  std::vector<int> fill(start.begin(), start.end() - 1);
-  for (int t = 0; t < T; ++t) {
-    for (int k = 0; k < K; ++k) {
-      const size_t s = static_cast<size_t>(t) * K + k;
-      if (first_slot[s] < 0) continue;
-      if (first_slot[s] != k) {
-        job.slot_pair[s] = job.slot_pair[static_cast<size_t>(t) * K + first_slot[s]];
-        continue;
-      }
-      const int e = idx[s], p = fill[e]++;
-      job.slot_pair[s] = p;
-      const float* row = x + static_cast<size_t>(t) * H;
+  for (int e = 0; e < E; ++e) {
+    for (size_t q = 0; q < reps[e].size(); ++q) {
+      const int p = start[e] + static_cast<int>(q);
+      const float* row = x + static_cast<size_t>(reps[e][q].t) * H;
       if (!in_scale) {
         job.pair_x[p] = row;
         continue;
       }
-      float sc = 0.0f;  // every valid slot of the row with expert e, whatever its weight (reference_routed)
-      for (int j = 0; j < K; ++j)
-        if (idx[static_cast<size_t>(t) * K + j] == e) sc += in_scale[static_cast<size_t>(t) * K + j];
       float* dst = scaled.data() + static_cast<size_t>(p) * H;
-      for (int i = 0; i < H; ++i) dst[i] = row[i] * sc;
+      for (int i = 0; i < H; ++i) dst[i] = row[i] * reps[e][q].scale;
       job.pair_x[p] = dst;
     }
   }
-  (void)union_of;
+  job.slot_pair.assign(static_cast<size_t>(T) * K, -1);
+  for (size_t s = 0; s < slot_rep.size(); ++s)
+    if (slot_rep[s] >= 0) job.slot_pair[s] = start[idx[s]] + slot_rep[s];
 }
 
 // Column chunk widths: [out, in] weights 16 outputs (16 weight rows per projection); [in, out] weights about 512

@@ -268,6 +268,9 @@ def test_row_bits_do_not_depend_on_batch_position_neighbours_or_threads(fmt):
         for threads in (1, 0):
             got = np.asarray(run(x, Slots(jnp.asarray(idx), jnp.asarray(w)), threads))[pos]
             np.testing.assert_array_equal(got, alone, err_msg=f"T={T} pos={pos} threads={threads}")
+    copies = Slots(jnp.repeat(row_slots.indices, 8, 0), jnp.repeat(row_slots.out_weight, 8, 0))
+    got = np.asarray(run(np.repeat(row, 8, 0), copies, 0))  # 8 copies share one computed row per expert
+    np.testing.assert_array_equal(got, np.broadcast_to(alone, got.shape), err_msg="8 copies")
 
 
 # -- errors -------------------------------------------------------------------------------------------------------
