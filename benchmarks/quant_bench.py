@@ -1,12 +1,14 @@
 """Decode (T=1) of one MoE layer per quantized format vs dense bfloat16 / float32 on CPU, and routed-expert memory.
 
     JAX_PLATFORMS=cpu python benchmarks/quant_bench.py [--layer qwen3-30b-a3b] [--formats int8 int4 ...] [--rounds 20]
+    JAX_PLATFORMS=cpu python benchmarks/quant_bench.py --impls native cpu   # the native kernels next to the CPU plans
     JAX_PLATFORMS=cpu python benchmarks/quant_bench.py --products [--rounds 15]
 
-Each format is timed on the per-expert layout (the CPU plans, `impl="auto"`): dense bfloat16 with bfloat16 x, the
-others with float32 x; a new random token each round. Rounds interleave the formats, so the load of a shared CPU
-falls on all of them alike. Prints the minimum and median step time, the median relative to dense bfloat16, and the
-bytes of the routed experts relative to bfloat16.
+Each format is timed on the per-expert layout with each backend of --impls (default `auto`: the native kernels when
+built, else the CPU plans; the backend that ran is printed): dense bfloat16 with bfloat16 x, the others with
+float32 x; a new random token each round. Rounds interleave the formats and backends, so the load of a shared CPU
+falls on all of them alike. Prints the minimum and median step time, the median relative to dense bfloat16 on the
+same backend, and the bytes of the routed experts relative to bfloat16.
 
 `--products`: the one-row product forms tried for the quantized decode, at the layer's gate|up shape `[H] x [H, 2I]`
 (16 different experts' weights per call, so reads do not come from L1/L2), against the dense bfloat16 dot the plan
@@ -176,6 +178,7 @@ def main() -> None:
     parser.add_argument("--layer", default="qwen3-30b-a3b", choices=sorted(MODEL_LAYERS))
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--impls", nargs="+", default=["auto"], choices=moejax.backends.IMPLS, help="backends")
     parser.add_argument("--products", action="store_true", help="time one-row product variants instead")
     args = parser.parse_args()
     cfg = MODEL_LAYERS[args.layer]
@@ -184,26 +187,29 @@ def main() -> None:
         return
     bf16_bytes = 3 * cfg.num_experts * cfg.hidden_size * cfg.intermediate_size * 2
     print(f"{args.layer}: H={cfg.hidden_size} E={cfg.num_experts} K={cfg.top_k} I={cfg.intermediate_size}, T=1")
-    step = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg))
+    step = jax.jit(lambda p, x, impl: moejax.moe_forward(p, x, cfg, impl=impl), static_argnums=2)
     xs = [jax.random.normal(jax.random.key(i), (1, cfg.hidden_size)) for i in range(args.rounds + 1)]
     cases = {}
     for name in args.formats:  # build and compile every case first
         fmt, dtype = FORMATS[name]
         params = moejax.init_params(cfg, jax.random.key(0), dtype, fmt=fmt, layout="per_expert")
         x_dtype = jnp.bfloat16 if name == "bfloat16" else jnp.float32  # quantized: float32 x, one-row products
-        step(params, xs[0].astype(x_dtype)).block_until_ready()
-        cases[name] = (params, x_dtype, routed_bytes(params) / bf16_bytes, [])
+        for impl in args.impls:
+            step(params, xs[0].astype(x_dtype), impl).block_until_ready()
+            ran = moejax.forward.chosen_impl(params, xs[0].astype(x_dtype), cfg, impl=impl)
+            cases[name, impl] = (params, x_dtype, routed_bytes(params) / bf16_bytes, ran, [])
     for x in xs[1:]:  # interleaved rounds: a shared CPU's load falls on every format alike
-        for params, x_dtype, _, times in cases.values():
+        for (_, impl), (params, x_dtype, _, _, times) in cases.items():
             xt = x.astype(x_dtype)
             t0 = time.perf_counter()
-            step(params, xt).block_until_ready()
+            step(params, xt, impl).block_until_ready()
             times.append(time.perf_counter() - t0)
-    base = np.median(cases["bfloat16"][3]) if "bfloat16" in cases else None
-    print(f"{'format':10s} {'memory/bf16':>11s} {'x dtype':>8s} {'min ms':>8s} {'median ms':>9s} {'median/bf16':>11s}")
-    for name, (_, x_dtype, mem, times) in cases.items():
-        ratio = f"{np.median(times) / base:11.2f}" if base else ""
-        row = f"{name:10s} {mem:11.3f} {jnp.dtype(x_dtype).name:>8s} {min(times) * 1e3:8.2f}"
+    print(f"{'format':10s} {'backend':>10s} {'memory/bf16':>11s} {'x dtype':>8s} {'min ms':>8s} {'median ms':>9s} "
+          f"{'median/bf16':>11s}")  # fmt: skip
+    for (name, impl), (_, x_dtype, mem, ran, times) in cases.items():
+        base = cases.get(("bfloat16", impl))
+        ratio = f"{np.median(times) / np.median(base[4]):11.2f}" if base else ""
+        row = f"{name:10s} {ran:>10s} {mem:11.3f} {jnp.dtype(x_dtype).name:>8s} {min(times) * 1e3:8.2f}"
         print(f"{row} {np.median(times) * 1e3:9.2f} {ratio}", flush=True)
 
 

@@ -5,7 +5,8 @@ transformers block with `load_state_dict`), and their outputs are checked to agr
 transformers block runs under each experts backend of transformers 5 (`config._experts_implementation`: "eager"
 and the `ExpertsInterface` entries, e.g. "batched_mm", "grouped_mm"); a backend that cannot run on this machine is
 skipped with its reason, and the fastest one that runs is "HF best". moejax runs `jax.jit(moejax.moe_forward)` with
-`impl="auto"`; its compile time is excluded from the timing and printed apart.
+`impl="auto"` (--impl: another backend; on CPU "auto" is the native kernels when built); its compile time is
+excluded from the timing and printed apart.
 
 Cases (default layer Qwen3-30B-A3B, float32): decode T=1, 2, 4, 8 with random tokens, T=8 with one token repeated,
 prefill T=512 and T=2048, and a bfloat16 decode T=1. Each row prints the HF time per backend, HF best, the moejax
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import importlib
 import json
@@ -331,7 +333,7 @@ def check_agreement(block, params, layer: Layer, dtype: str, forward) -> dict:
     """HF eager vs moejax on one input before any timing; exits when they disagree."""
     case = Case("decode", 8 if dtype == "float32" else 1, "random", dtype)
     x = make_input(case, layer.cfg.hidden_size, jax.random.key(7))
-    reference = np.asarray(forward(params, x, cfg=layer.cfg, impl="auto"), np.float32)
+    reference = np.asarray(forward(params, x, cfg=layer.cfg), np.float32)
     set_backend(block, "eager")
     err = rel_err(run_hf(block, to_torch(x).clone()), reference)
     ok = err < TOLERANCE[dtype]
@@ -350,13 +352,11 @@ def run_case(case: Case, layer: Layer, params, block, forward, backends: list[st
     cfg = layer.cfg
     x = make_input(case, cfg.hidden_size, jax.random.fold_in(jax.random.key(1), case.T))
     start = time.perf_counter()
-    reference = np.asarray(jax.block_until_ready(forward(params, x, cfg=cfg, impl="auto")), np.float32)
+    reference = np.asarray(jax.block_until_ready(forward(params, x, cfg=cfg)), np.float32)
     first = time.perf_counter() - start
     x_torch = to_torch(x).clone()
     hf = {b: try_hf_backend(block, x_torch, b, case, cfg, reference) for b in backends}
-    contenders = [
-        Contender("moejax", lambda: None, lambda: forward(params, x, cfg=cfg, impl="auto").block_until_ready())
-    ]
+    contenders = [Contender("moejax", lambda: None, lambda: forward(params, x, cfg=cfg).block_until_ready())]
     contenders += [hf_contender(block, x_torch, b) for b in backends if "skipped" not in hf[b]]
     with torch.inference_mode():
         samples = interleaved_samples(contenders, repeats, warmup=1)
@@ -394,9 +394,11 @@ def add_ceiling_shares(rows: list[dict], ceilings: dict) -> None:
             row["pct_ceiling"] = 100 * row["GFLOPs"] / ceilings["matmul_GFLOPs"]
 
 
-def run_dtype(layer: Layer, dtype: str, cases: list[Case], backends: list[str], repeats: int) -> tuple[dict, list]:
-    """Build both copies of the layer in `dtype`, check they agree, run its cases, free both copies."""
-    forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
+def run_dtype(
+    layer: Layer, dtype: str, cases: list[Case], backends: list[str], repeats: int, impl: str = "auto"
+) -> tuple[dict, list]:
+    """Build both copies of the layer in `dtype`, check they agree, run its cases (moejax with `impl`), free both."""
+    forward = functools.partial(jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl")), impl=impl)
     params = moejax.init_params(layer.cfg, jax.random.key(0), getattr(jnp, dtype))
     block = build_hf_block(layer, params, dtype)
     check = check_agreement(block, params, layer, dtype, forward)
@@ -466,8 +468,9 @@ def print_preamble(layer: Layer, backends: list[str], args: argparse.Namespace) 
     )
     print(
         f"torch {torch.__version__}, torch.set_num_threads({args.torch_threads}), inference_mode | jax "
-        f"{jax.__version__} ({jax.default_backend()}), jit(moe_forward, impl='auto') | median of {args.repeats} rounds "
-        f"(round-robin) after warm-up | {os.cpu_count()} CPUs, load average {load_average():.1f} at start"
+        f"{jax.__version__} ({jax.default_backend()}), jit(moe_forward, impl={args.impl!r}) | median of "
+        f"{args.repeats} rounds (round-robin) after warm-up | {os.cpu_count()} CPUs, load average "
+        f"{load_average():.1f} at start"
     )
     print(f"HF experts backends found: {', '.join(backends)}", flush=True)
 
@@ -496,6 +499,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layer", default="qwen3-30b-a3b", choices=[n for n in HF_BLOCKS if n in MODEL_LAYERS])
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (the median counts)")
     parser.add_argument("--json", metavar="PATH", help="also write every measurement to this JSON file")
+    parser.add_argument(
+        "--impl", default="auto", choices=moejax.backends.IMPLS, help="moejax's routed-expert backend (auto: the "
+        "native CPU kernels when built, else the CPU plans); e.g. --impl cpu for the XLA plans",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny shapes, for a smoke run")
     parser.add_argument(
         "--only", action="append", metavar="TEXT", help='run only the cases whose "label dtype" contains TEXT, e.g. '
@@ -534,7 +541,8 @@ def main(argv: list[str] | None = None) -> None:
     checks, rows = [], []
     cases = select_cases(args)
     for dtype in dict.fromkeys(c.dtype for c in cases):
-        check, dtype_rows = run_dtype(layer, dtype, [c for c in cases if c.dtype == dtype], backends, args.repeats)
+        dtype_cases = [c for c in cases if c.dtype == dtype]
+        check, dtype_rows = run_dtype(layer, dtype, dtype_cases, backends, args.repeats, args.impl)
         checks.append(check)
         rows += dtype_rows
     ceilings = best_ceilings(before, measure_ceilings(args.quick, args.repeats))

@@ -7,6 +7,8 @@ adapters, each row's id in `slots.adapter`), prepares the weights it needs itsel
 candidates and takes the first that serves the call; when all fail, one error lists each one's reason.
 
   "reference"      dense float32: every expert on every token, masked, one expert at a time. The oracle.
+  "native"         `moejax.native_cpu`: the C++ kernels through XLA's FFI (csrc/), any T, every weight format and
+                   layout; no adapters. Optional: built by `pip install` when a C++ compiler is present.
   "cpu_decode"     `moejax.cpu_plans`: per-expert layout, `lax.switch` to each union expert (weights read in
                    place by XLA:CPU), T <= 8 rows and T·K <= 64 slots.
   "cpu_grouped"    `moejax.cpu_plans`: per-expert layout, pairs sorted by expert, blocks dispatched by `lax.switch`.
@@ -19,11 +21,11 @@ candidates and takes the first that serves the call; when all fail, one error li
                    on CPU too (densified by XLA:CPU: for tests), but "auto" takes it only on TPU/GPU.
 Families: "xla" (decode where it fits, else grouped), "cpu", "pallas" likewise.
 "auto": the kernels `pallas_kernels/validated.json` lists for the devices the program is lowered for (and for the
-weight format: quantized kernels need their own rows); for grouped calls on TPU/GPU, "ragged"; then the CPU plans
-when the weights are per-expert; then the XLA plans. The platform and devices are those the program is lowered
-and compiled for (a compile-only TPU topology on a CPU host included), chosen while lowering
-(`pallas_kernels.platform.choose_at_lowering`), never the host's default backend. The kernels
-do not apply adapters: with `lora` they raise and "auto" runs the XLA/CPU plans.
+weight format: quantized kernels need their own rows); for grouped calls on TPU/GPU, "ragged"; on CPU the native
+kernels when built; then the CPU plans when the weights are per-expert; then the XLA plans. The platform and
+devices are those the program is lowered and compiled for (a compile-only TPU topology on a CPU host included),
+chosen while lowering (`pallas_kernels.platform.choose_at_lowering`), never the host's default backend. The
+kernels do not apply adapters: with `lora` they raise and "auto" runs the XLA/CPU plans.
 
 Gradients: `run_routed` wraps every backend but the reference in a `jax.custom_vjp` whose backward is the VJP of
 `reference_routed` (the plans' loops with device trip counts are not reverse-differentiable). Gradients w.r.t. x,
@@ -40,7 +42,7 @@ from collections.abc import Callable
 import jax
 
 import pallas_kernels
-from moejax import kernel_plans, ragged
+from moejax import kernel_plans, native_cpu, ragged
 from moejax.experts import Slots, check_lora_slots, reference_routed
 from moejax.lora import ExpertLoRA, expert_ffn
 from moejax.plans import decode_fits, decode_plan, grouped_plan
@@ -102,6 +104,11 @@ def _cpu(plan_name: str) -> RoutedFn:
     return run
 
 
+def _native(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora=None, block_rows=None) -> Array:
+    del block_rows
+    return native_cpu.routed_experts(experts, x, slots, act, lora=lora)
+
+
 def _pallas(kernel: Callable[..., Array]) -> RoutedFn:
     def run(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora=None, block_rows=None) -> Array:
         del block_rows
@@ -119,6 +126,7 @@ BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
         Backend("reference", _reference),
+        Backend("native", _native),
         Backend("pallas_decode", _pallas(kernel_plans.pallas_decode), decode=True),
         Backend("pallas_grouped", _pallas(kernel_plans.pallas_grouped)),
         Backend("cpu_decode", _cpu("switch_decode"), decode=True),
@@ -140,6 +148,10 @@ def kernel_validated(name: str) -> bool:
     runs is decided when the program is lowered: only for a device kind with a row (`kernel_plans.validated_on`),
     never by the host's default backend."""
     return pallas_kernels.is_validated(_KERNELS[name], None, jax.__version__)
+
+
+def _native_available() -> bool:
+    return native_cpu.available()
 
 
 def _auto_may_run(name: str, experts: Experts) -> bool:
@@ -169,7 +181,8 @@ def candidates(impl: str, num_rows: int, top_k: int) -> list[str]:
     if impl == "auto":
         kernel = f"pallas_{kind}"
         ragged_dot = ["ragged"] * (kind == "grouped")  # on TPU/GPU only: chosen while lowering (_dispatch)
-        return [kernel] * kernel_validated(kernel) + ragged_dot + [f"cpu_{kind}", f"xla_{kind}"]
+        native = ["native"] * _native_available()  # on CPU only: chosen while lowering (_dispatch)
+        return [kernel] * kernel_validated(kernel) + ragged_dot + native + [f"cpu_{kind}", f"xla_{kind}"]
     if BACKENDS[impl].decode and kind != "decode":
         raise ValueError(f"impl={impl!r} serves at most 8 rows and 64 slots, got T={num_rows}, K={top_k}")
     return [impl]
@@ -223,7 +236,7 @@ def _dispatch(impl, names, experts, x, slots, act, lora, block_rows) -> Array:
     reasons = []
     for i, name in enumerate(names):
         try:
-            if impl != "auto" or name not in (*_KERNELS, "ragged"):
+            if impl != "auto" or name not in (*_KERNELS, "ragged", "native"):
                 return run(name, experts, x, slots, lora)
             # A kernel or ragged_dot serves this call: it, or the rest of the list, is chosen while lowering.
             jax.eval_shape(functools.partial(run, name), experts, x, slots, lora)
@@ -231,6 +244,8 @@ def _dispatch(impl, names, experts, x, slots, act, lora, block_rows) -> Array:
             operands = (functools.partial(run, name), fallback, experts, x, slots, lora)
             if name == "ragged":
                 return ragged.on_accelerators(*operands)
+            if name == "native":
+                return native_cpu.on_cpu(*operands)
             return kernel_plans.on_validated_devices(_KERNELS[name], kernel_plans.weights_name(experts), *operands)
         except NotImplementedError as err:
             reasons.append(f"{name}: {err}")

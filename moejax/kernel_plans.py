@@ -134,12 +134,8 @@ def on_validated_devices(kernel: str, weights: str, run_kernel, fallback, *opera
     `weights` (`validated_on`), else `fallback(*operands)`: decided while lowering, by the lowering platform and
     the program's devices (`pallas_kernels.platform.choose_at_lowering`), so that a program compiled for a TPU or
     GPU topology on a CPU host gets the kernel and the host's own programs the fallback."""
-    leaves, treedef = jax.tree.flatten(operands)
-
-    def branch(fn):
-        return lambda *leaves: fn(*jax.tree.unflatten(treedef, leaves))
 
     def choose(platform: str, device_kinds: frozenset[str] | None) -> int:
         return 0 if validated_on(kernel, weights, platform, device_kinds) else 1
 
-    return choose_at_lowering(choose, (branch(run_kernel), branch(fallback)), *leaves)
+    return choose_at_lowering(choose, (run_kernel, fallback), *operands)

@@ -83,10 +83,5 @@ def ragged_grouped(experts: Experts, x: Array, slots: Slots, act: GatedActivatio
 def on_accelerators(run, fallback, *operands) -> Array:
     """`run(*operands)` in a program lowered for TPU or GPU, `fallback(*operands)` elsewhere (CPU, or several
     platforms at once), decided while lowering (`pallas_kernels.platform.choose_at_lowering`)."""
-    leaves, treedef = jax.tree.flatten(operands)
-
-    def branch(fn):
-        return lambda *leaves: fn(*jax.tree.unflatten(treedef, leaves))
-
     choose = lambda platform, device_kinds: 0 if platform in ACCELERATORS else 1
-    return choose_at_lowering(choose, (branch(run), branch(fallback)), *leaves)
+    return choose_at_lowering(choose, (run, fallback), *operands)

@@ -245,7 +245,7 @@ class _Choice:
         return "|".join(getattr(b, "__name__", "branch") for b in self.branches)
 
 
-choose_at_lowering_p.def_abstract_eval(lambda *avals, choice: jax.make_jaxpr(choice.branches[-1])(*avals).out_avals[0])
+choose_at_lowering_p.def_abstract_eval(lambda *avals, choice: jax.make_jaxpr(choice.branches[0])(*avals).out_avals[0])
 choose_at_lowering_p.def_impl(
     lambda *arrays, choice: jax.jit(lambda *a: choose_at_lowering_p.bind(*a, choice=choice))(*arrays)
 )
@@ -299,14 +299,17 @@ getattr(dispatch, "prim_requires_devices_during_lowering", set()).update((choose
 
 
 def choose_at_lowering(
-    choose: Callable[[str, frozenset[str] | None], int], branches: tuple[Callable[..., Array], ...], *arrays: Array
+    choose: Callable[[str, frozenset[str] | None], int], branches: tuple[Callable[..., Array], ...], *operands: Any
 ) -> Array:
-    """`branches[choose(platform, device_kinds)](*arrays)`, decided when the program is lowered.
+    """`branches[choose(platform, device_kinds)](*operands)`, decided when the program is lowered.
 
     Args:
       choose: `(lowering platform, device kinds or None) -> index into branches`.
-      branches: functions of `arrays` with the same output type (one array); each must trace on any host, and
-        none may carry effects (the lowering keeps one branch only).
-      arrays: the operands.
+      branches: functions of `operands` with the same output type (one array); each must trace on any host, and
+        none may carry effects (the lowering keeps one branch only). The first one also gives the output type, so
+        put the cheapest to trace first.
+      operands: pytrees of arrays.
     """
-    return choose_at_lowering_p.bind(*arrays, choice=_Choice(tuple(branches), choose))
+    leaves, treedef = jax.tree.flatten(operands)
+    unflat = lambda fn: lambda *leaves: fn(*jax.tree.unflatten(treedef, leaves))
+    return choose_at_lowering_p.bind(*leaves, choice=_Choice(tuple(unflat(b) for b in branches), choose))

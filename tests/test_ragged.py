@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import moejax
-from moejax import backends
+from moejax import backends, native_cpu
 from moejax.experts import Slots, reference_routed
 from moejax.ragged import ragged_grouped
 from moejax.weights import ExpertWeights
@@ -71,8 +71,11 @@ def test_auto_takes_ragged_dot_only_where_lowered_for_an_accelerator():
     assert "ragged" in backends.candidates("auto", 20, 2)
     assert "ragged" not in backends.candidates("auto", 2, 2)  # decode-sized calls keep the decode plans
     for platform in ("tpu", "cuda"):
-        assert "ragged_dot" in _lowered_text("auto", platform)
+        text = _lowered_text("auto", platform)
+        assert "ragged_dot" in text and native_cpu.TARGET not in text  # the native kernels are CPU-only
     cpu = _lowered_text("auto", "cpu")
-    assert "ragged_dot" not in cpu and "stablehlo.while" in cpu
-    assert "ragged_dot" not in _lowered_text("auto", "tpu", T=2)
+    assert "ragged_dot" not in cpu
+    assert (native_cpu.TARGET in cpu) if native_cpu.available() else ("stablehlo.while" in cpu)
+    decode_tpu = _lowered_text("auto", "tpu", T=2)
+    assert "ragged_dot" not in decode_tpu and native_cpu.TARGET not in decode_tpu
     assert "ragged_dot" in _lowered_text("auto", "tpu", batch=3)  # under vmap the choice is still made lowering

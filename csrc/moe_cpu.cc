@@ -1,0 +1,567 @@
+// moejax's native CPU kernels: the routed experts of one MoE layer call as one XLA FFI handler.
+//
+// One call computes out[t] = Σ_k w[t,k] · E_{idx[t,k]}(s · x[t]) for all rows:
+//   0. (calling thread) the union of the chosen experts and, per union expert, its rows: a row that chose the
+//      expert in several slots is computed once, on its summed input scale (Llama-4's form), and rows with
+//      bit-identical inputs once; slots with a skipped id (outside [0, E)) or weight 0 contribute exactly 0 and
+//      are never computed.
+//   1. gate/up -> activation, work items (union expert x chunk of I columns): each union expert's weights are read
+//      once per call, for all of its rows.
+//   2. down (+ bias), work items (union expert x chunk of H columns).
+//   3. the slot-weighted combine in slot order, items of rows.
+// Each phase runs on XLA's intra-op thread pool (the FFI's ThreadPool context): the calling thread works too,
+// items are handed out by an atomic counter, and the caller waits only for items already started (a scheduled
+// task may start late or never before the call ends; one that starts late finds no item and touches nothing).
+// The reduction order of every output element is fixed by kernels.inc, independent of T, neighbours and threads.
+//
+// ISA: kernels.inc is compiled twice, as moe::avx2 (`#pragma GCC target("avx2,fma,f16c")`) and moe::generic
+// (baseline flags, any CPU); the variant is chosen once at load with __builtin_cpu_supports.
+
+#include <Python.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MOE_X86 1
+#include <immintrin.h>
+#else
+#define MOE_X86 0
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace moe {
+
+// Weight formats; the Python side (moejax/native_cpu.py) uses the same numbers.
+enum Format : int {
+  kDenseF32 = 0,   // [in, out] gate, up, down (moejax.weights.ExpertWeights)
+  kDenseBF16 = 1,
+  kDenseF16 = 2,
+  kFusedF32 = 3,   // [out, in] gate|up fused, down (moejax.weights.FusedExpertWeights)
+  kFusedBF16 = 4,
+  kFusedF16 = 5,
+  kInt8 = 6,       // moejax.quantized: [in, out] codes, scales per group of inputs
+  kInt4 = 7,
+  kFp8 = 8,
+  kMxfp4 = 9,
+  kNvfp4 = 10,
+  kNumFormats = 11,
+};
+
+enum ActKind : int { kSilu = 0, kGeluTanh = 1, kGptOss = 2 };
+
+struct Activation {
+  int kind = kSilu;
+  bool has_limit = false;
+  float limit = 0.0f;
+  float alpha = 1.702f;
+  bool clamp_after = false;  // min(act(g), L) (Step-3.7) instead of act(min(g, L)) (DeepSeek-V4)
+};
+
+static inline float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
+static inline float silu(float z) { return z * sigmoid(z); }
+static inline float gelu_tanh(float z) {
+  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+  return z * (0.5f * (1.0f + std::tanh(k * (z + 0.044715f * (z * z * z)))));
+}
+
+// pallas_kernels/activations.py's GatedActivation, element by element.
+static inline float activation(const Activation& a, float g, float u) {
+  if (a.kind == kGptOss) {
+    g = std::min(g, a.limit);
+    u = std::min(std::max(u, -a.limit), a.limit);
+    return (u + 1.0f) * (g * sigmoid(a.alpha * g));
+  }
+  float (*f)(float) = a.kind == kSilu ? silu : gelu_tanh;
+  if (!a.has_limit) return f(g) * u;
+  u = std::min(std::max(u, -a.limit), a.limit);
+  if (a.clamp_after) return std::min(f(g), a.limit) * u;
+  return f(std::min(g, a.limit)) * u;
+}
+
+// -- scalar decoders (exact; the vector ones match them lane by lane) ----------------------------------------
+static inline float bits_f32(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+static inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+static inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const int exp = (h >> 10) & 31;
+  const uint32_t man = h & 1023;
+  float v;
+  if (exp == 0) v = static_cast<float>(man) * (1.0f / 16777216.0f);  // man * 2^-24
+  else if (exp == 31) v = man ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+  else v = bits_f32((static_cast<uint32_t>(exp + 112) << 23) | (man << 13));
+  return sign ? -v : v;
+}
+static inline float e4m3_to_f32(uint8_t b) {
+  const int mag = b & 0x7f;
+  float v;
+  if (mag == 0x7f) v = std::numeric_limits<float>::quiet_NaN();
+  else if (mag < 8) v = static_cast<float>(mag) * (1.0f / 512.0f);  // subnormal: m * 2^-9
+  else v = bits_f32((static_cast<uint32_t>(mag) << 20) + (120u << 23));
+  return (b & 0x80) ? -v : v;
+}
+static inline float e2m1_to_f32(int c) {
+  static const float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  return (c & 8) ? -kMag[c & 7] : kMag[c & 7];
+}
+static inline float e8m0_to_f32(uint8_t s) {
+  if (s == 255) return std::numeric_limits<float>::quiet_NaN();
+  if (s == 0) return std::ldexp(1.0f, -127);
+  return bits_f32(static_cast<uint32_t>(s) << 23);
+}
+
+// One [in, out] projection of one expert (moejax.quantized's layout; dense [in, out] uses q and n_in only).
+struct InOut {
+  const uint8_t* q = nullptr;      // codes (4-bit: [in/2, out] nibble pairs) or dense weights
+  const uint8_t* scale = nullptr;  // [in/group, out] (FP8: float32 [ceil(in/128), ceil(out/128)])
+  const int8_t* zero = nullptr;    // [in/group, out] asymmetric int only
+  float scale2 = 1.0f;             // NVFP4's per-tensor multiplier
+  int n_in = 0, n_out = 0, group = 1, scale_cols = 0;
+};
+
+// Per-thread scratch buffers, grown on demand.
+struct Scratch {
+  std::vector<float> buf[5];
+  float* get(int i, size_t n) {
+    if (buf[i].size() < n) buf[i].resize(n);
+    return buf[i].data();
+  }
+};
+static Scratch& scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
+struct Job;
+struct Kernels {
+  void (*gate_up)(const Job&, int u, int chunk);
+  void (*down)(const Job&, int u, int chunk);
+  void (*combine)(const Job&, int t0, int t1);
+};
+
+// Everything one call's work items read; built by the calling thread before the parallel phases.
+struct Job {
+  int fmt = 0, T = 0, K = 0, H = 0, I = 0, E = 0;
+  int group = 1, fields_per_proj = 0;
+  bool per_expert = true;
+  Activation act;
+  std::vector<const uint8_t*> field_ptr;  // [field * E + e]
+  const float* gate_up_bias = nullptr;    // [E, 2I] or null
+  const float* down_bias = nullptr;       // [E, H] or null
+  const float* scale2 = nullptr;          // [3, E] (NVFP4)
+  // Routing, built in phase 0.
+  std::vector<int> union_ids, pair_start;  // [U], [U + 1]
+  std::vector<const float*> pair_x, pair_h;  // [P] the input row of each (expert, row) pair, its h row
+  std::vector<int> slot_pair;              // [T * K] the pair of each slot, -1: contributes 0
+  const float* slot_weight = nullptr;      // [T * K]
+  int chunk_gu = 0, chunk_down = 0;
+  float* h = nullptr;    // [P, I]
+  float* y = nullptr;    // [P, H]
+  float* out = nullptr;  // [T, H]
+
+  const uint8_t* field(int f, int e) const { return field_ptr[static_cast<size_t>(f) * E + e]; }
+
+  // Projection p (0 gate, 1 up, 2 down) of expert e in an [in, out] format.
+  InOut inout(int p, int e) const {
+    InOut w;
+    const bool down = p == 2;
+    w.n_in = down ? I : H;
+    w.n_out = down ? H : I;
+    if (fmt <= kDenseF16) {
+      w.q = field(p, e);
+      w.group = w.n_in;
+      return w;
+    }
+    const int f = p * fields_per_proj;
+    w.q = field(f, e);
+    w.scale = field(f + 1, e);
+    if (fmt == kInt8 || fmt == kInt4) {
+      w.group = group > 0 ? group : w.n_in;
+      if (fields_per_proj == 3) w.zero = reinterpret_cast<const int8_t*>(field(f + 2, e));
+    } else if (fmt == kFp8) {
+      w.group = 128;
+      w.scale_cols = (w.n_out + 127) / 128;
+    } else {
+      w.group = fmt == kMxfp4 ? 32 : 16;
+      if (fmt == kNvfp4) w.scale2 = scale2[static_cast<size_t>(p) * E + e];
+    }
+    return w;
+  }
+};
+
+namespace generic {
+#include "vec_generic.inc"
+#include "kernels.inc"
+}  // namespace generic
+
+#if MOE_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+namespace avx2 {
+#include "vec_avx2.inc"
+#include "kernels.inc"
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
+
+// The kernels of the chosen ISA (set at load; set_isa switches them between calls, for tests).
+static std::atomic<const Kernels*> g_kernels{generic::kTable};
+static std::atomic<const char*> g_isa{"generic"};
+
+// Picks the variant for this CPU; MOEJAX_NATIVE_ISA=generic forces the portable one (tests).
+static void select_isa() {
+  const char* want = std::getenv("MOEJAX_NATIVE_ISA");
+  if (want && std::string(want) == "generic") return;
+#if MOE_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    g_kernels = avx2::kTable;
+    g_isa = "avx2";
+  }
+#endif
+}
+
+// -- threads -------------------------------------------------------------------------------------------------
+struct ParallelState {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t n = 0;
+  std::function<void(int64_t)> fn;
+
+  void work() {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// fn(0..n-1) on the pool's threads and the calling thread; returns when all n have run.
+static void parallel_for(ffi::ThreadPool* pool, int64_t n, int max_threads, std::function<void(int64_t)> fn) {
+  if (n <= 0) return;
+  auto state = std::make_shared<ParallelState>();
+  state->n = n;
+  state->fn = std::move(fn);
+  int64_t helpers = pool ? std::min<int64_t>(pool->num_threads(), n - 1) : 0;
+  if (max_threads > 0) helpers = std::min<int64_t>(helpers, max_threads - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool->Schedule([state] { state->work(); });
+  state->work();
+  // Items not yet done were taken by running threads: waiting for them cannot deadlock.
+  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+// -- phase 0 -------------------------------------------------------------------------------------------------
+static uint64_t row_hash(const float* row, int H) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the row's bytes
+  const unsigned char* b = reinterpret_cast<const unsigned char*>(row);
+  for (size_t i = 0; i < static_cast<size_t>(H) * sizeof(float); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+// Union experts (ascending id), their rows (ascending t) and each slot's pair. A row that chose an expert in
+// several slots is one pair (on the summed input scale of those slots); rows with bit-identical inputs (x and
+// scale) share one pair too (8 copies of a token compute one row per expert; by construction a row's result does
+// not depend on which pair computes it). scaled: the pairs' s·x rows when in_scale is given.
+static void build_routing(Job& job, const float* x, const int32_t* idx, const float* weight, const float* in_scale,
+                          std::vector<float>& scaled) {
+  const int T = job.T, K = job.K, E = job.E, H = job.H;
+  std::vector<uint64_t> hash(T);
+  for (int t = 0; t < T; ++t) hash[t] = row_hash(x + static_cast<size_t>(t) * H, H);
+  struct Rep {
+    int t;
+    float scale;
+  };
+  std::vector<std::vector<Rep>> reps(E);                  // the distinct inputs of each expert, in order of t
+  std::vector<int> slot_rep(static_cast<size_t>(T) * K, -1);  // index into reps[expert], -1: contributes 0
+  for (int t = 0; t < T; ++t) {
+    const float* row = x + static_cast<size_t>(t) * H;
+    for (int k = 0; k < K; ++k) {
+      const size_t s = static_cast<size_t>(t) * K + k;
+      const int e = idx[s];
+      if (e < 0 || e >= E || weight[s] == 0.0f) continue;
+      int first = -1;  // an earlier kept slot of the row with the same expert
+      for (int j = 0; j < k && first < 0; ++j)
+        if (slot_rep[static_cast<size_t>(t) * K + j] >= 0 && idx[static_cast<size_t>(t) * K + j] == e) first = j;
+      if (first >= 0) {
+        slot_rep[s] = slot_rep[static_cast<size_t>(t) * K + first];
+        continue;
+      }
+      float sc = 1.0f;
+      if (in_scale) {  // every valid slot of the row with expert e, whatever its weight (reference_routed)
+        sc = 0.0f;
+        for (int j = 0; j < K; ++j)
+          if (idx[static_cast<size_t>(t) * K + j] == e) sc += in_scale[static_cast<size_t>(t) * K + j];
+      }
+      std::vector<Rep>& list = reps[e];
+      int r = -1;
+      for (size_t q = 0; q < list.size() && r < 0; ++q) {
+        const Rep& c = list[q];
+        if (hash[c.t] == hash[t] && std::memcmp(&c.scale, &sc, sizeof(float)) == 0 &&
+            std::memcmp(x + static_cast<size_t>(c.t) * H, row, sizeof(float) * H) == 0)
+          r = static_cast<int>(q);
+      }
+      if (r < 0) {
+        r = static_cast<int>(list.size());
+        list.push_back({t, sc});
+      }
+      slot_rep[s] = r;
+    }
+  }
+  std::vector<int> start(E + 1, 0);
+  job.union_ids.clear();
+  job.pair_start.assign(1, 0);
+  for (int e = 0; e < E; ++e) {
+    start[e + 1] = start[e] + static_cast<int>(reps[e].size());
+    if (!reps[e].empty()) {
+      job.union_ids.push_back(e);
+      job.pair_start.push_back(start[e + 1]);
+    }
+  }
+  const int P = start[E];
+  job.pair_x.assign(P, nullptr);
+  if (in_scale) scaled.resize(static_cast<size_t>(P) * H);
+  for (int e = 0; e < E; ++e) {
+    for (size_t q = 0; q < reps[e].size(); ++q) {
+      const int p = start[e] + static_cast<int>(q);
+      const float* row = x + static_cast<size_t>(reps[e][q].t) * H;
+      if (!in_scale) {
+        job.pair_x[p] = row;
+        continue;
+      }
+      float* dst = scaled.data() + static_cast<size_t>(p) * H;
+      for (int i = 0; i < H; ++i) dst[i] = row[i] * reps[e][q].scale;
+      job.pair_x[p] = dst;
+    }
+  }
+  job.slot_pair.assign(static_cast<size_t>(T) * K, -1);
+  for (size_t s = 0; s < slot_rep.size(); ++s)
+    if (slot_rep[s] >= 0) job.slot_pair[s] = start[idx[s]] + slot_rep[s];
+}
+
+// Column chunk widths: [out, in] weights 16 outputs (16 weight rows per projection); [in, out] weights about 512
+// bytes of each weight row.
+static int chunk_width(int fmt) {
+  switch (fmt) {
+    case kFusedF32:
+    case kFusedBF16:
+    case kFusedF16:
+      return 16;
+    case kDenseF32:
+      return 128;
+    case kDenseBF16:
+    case kDenseF16:
+      return 256;
+    default:
+      return 512;
+  }
+}
+
+static ffi::Error MoeExpertsCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
+                                 ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> in_scale,
+                                 ffi::Buffer<ffi::F32> gate_up_bias, ffi::Buffer<ffi::F32> down_bias,
+                                 ffi::Buffer<ffi::F32> scale2, ffi::RemainingArgs weights,
+                                 ffi::ResultBuffer<ffi::F32> out, int64_t fmt, int64_t num_experts,
+                                 int64_t intermediate, int64_t group, int64_t fields_per_proj, int64_t per_expert,
+                                 int64_t act_kind, int64_t has_limit, float limit, float alpha, int64_t clamp_after,
+                                 int64_t max_threads) {
+  Job job;
+  const auto xd = x.dimensions(), id = idx.dimensions();
+  if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0]) return ffi::Error::InvalidArgument("moejax native: x [T, H], indices [T, K]");
+  if (fmt < 0 || fmt >= kNumFormats) return ffi::Error::InvalidArgument("moejax native: unknown format");
+  job.fmt = static_cast<int>(fmt);
+  job.T = static_cast<int>(xd[0]);
+  job.H = static_cast<int>(xd[1]);
+  job.K = static_cast<int>(id[1]);
+  job.I = static_cast<int>(intermediate);
+  job.E = static_cast<int>(num_experts);
+  job.group = static_cast<int>(group);
+  job.fields_per_proj = static_cast<int>(fields_per_proj);
+  job.per_expert = per_expert != 0;
+  job.act = Activation{static_cast<int>(act_kind), has_limit != 0, limit, alpha, clamp_after != 0};
+  if (weight.element_count() != static_cast<size_t>(job.T) * job.K)
+    return ffi::Error::InvalidArgument("moejax native: out_weight must be [T, K]");
+  const bool has_in_scale = in_scale.element_count() != 0;
+  if (has_in_scale && in_scale.element_count() != static_cast<size_t>(job.T) * job.K)
+    return ffi::Error::InvalidArgument("moejax native: in_scale must be [T, K] or empty");
+  if (gate_up_bias.element_count()) {
+    if (gate_up_bias.element_count() != static_cast<size_t>(job.E) * 2 * job.I ||
+        down_bias.element_count() != static_cast<size_t>(job.E) * job.H)
+      return ffi::Error::InvalidArgument("moejax native: biases must be [E, 2I] and [E, H]");
+    job.gate_up_bias = gate_up_bias.typed_data();
+    job.down_bias = down_bias.typed_data();
+  }
+  if (job.fmt == kNvfp4) {
+    if (scale2.element_count() != static_cast<size_t>(3) * job.E)
+      return ffi::Error::InvalidArgument("moejax native: NVFP4 needs scale2 [3, E]");
+    job.scale2 = scale2.typed_data();
+  }
+  // Weights: per-expert, field-major [field][expert] buffers; stacked, one [E, ...] buffer per field.
+  const size_t nbuf = weights.size();
+  const size_t nfields = job.per_expert ? nbuf / job.E : nbuf;
+  if (nfields == 0 || (job.per_expert && nbuf % job.E))
+    return ffi::Error::InvalidArgument("moejax native: weight buffers do not match the expert count");
+  job.field_ptr.resize(nfields * job.E);
+  for (size_t b = 0; b < nbuf; ++b) {
+    auto buf = weights.get<ffi::AnyBuffer>(b);
+    if (!buf.has_value()) return buf.error();
+    const uint8_t* base = static_cast<const uint8_t*>(buf->untyped_data());
+    if (job.per_expert) {
+      job.field_ptr[b] = base;
+    } else {
+      const size_t per = buf->size_bytes() / job.E;
+      for (int e = 0; e < job.E; ++e) job.field_ptr[b * job.E + e] = base + per * e;
+    }
+  }
+
+  std::vector<float> scaled;
+  build_routing(job, x.typed_data(), idx.typed_data(), weight.typed_data(),
+                has_in_scale ? in_scale.typed_data() : nullptr, scaled);
+  job.slot_weight = weight.typed_data();
+  const size_t P = job.pair_x.size();
+  std::vector<float> h(P * job.I), y(P * job.H);
+  job.h = h.data();
+  job.y = y.data();
+  job.out = out->typed_data();
+  job.pair_h.resize(P);
+  for (size_t p = 0; p < P; ++p) job.pair_h[p] = job.h + p * job.I;
+  job.chunk_gu = chunk_width(job.fmt);
+  job.chunk_down = chunk_width(job.fmt);
+
+  const Kernels& k = g_kernels.load(std::memory_order_relaxed)[job.fmt];
+  const int U = static_cast<int>(job.union_ids.size());
+  const int mt = static_cast<int>(max_threads);
+  const int n_gu = (job.I + job.chunk_gu - 1) / job.chunk_gu;
+  parallel_for(&pool, static_cast<int64_t>(U) * n_gu, mt, [&](int64_t i) { k.gate_up(job, i / n_gu, i % n_gu); });
+  const int n_down = (job.H + job.chunk_down - 1) / job.chunk_down;
+  parallel_for(&pool, static_cast<int64_t>(U) * n_down, mt, [&](int64_t i) { k.down(job, i / n_down, i % n_down); });
+  constexpr int kRowsPerItem = 8;
+  const int n_rows = (job.T + kRowsPerItem - 1) / kRowsPerItem;
+  parallel_for(&pool, n_rows, mt, [&](int64_t i) {
+    const int t0 = static_cast<int>(i) * kRowsPerItem;
+    k.combine(job, t0, std::min(job.T, t0 + kRowsPerItem));
+  });
+  return ffi::Error::Success();
+}
+
+// The handler: MoeExpertsCall, with a failed allocation of the call's buffers returned as an error to XLA
+// instead of unwinding through the FFI's C boundary.
+static ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
+                                 ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> in_scale,
+                                 ffi::Buffer<ffi::F32> gate_up_bias, ffi::Buffer<ffi::F32> down_bias,
+                                 ffi::Buffer<ffi::F32> scale2, ffi::RemainingArgs weights,
+                                 ffi::ResultBuffer<ffi::F32> out, int64_t fmt, int64_t num_experts,
+                                 int64_t intermediate, int64_t group, int64_t fields_per_proj, int64_t per_expert,
+                                 int64_t act_kind, int64_t has_limit, float limit, float alpha, int64_t clamp_after,
+                                 int64_t max_threads) {
+  try {
+    return MoeExpertsCall(pool, x, idx, weight, in_scale, gate_up_bias, down_bias, scale2, weights, out, fmt,
+                          num_experts, intermediate, group, fields_per_proj, per_expert, act_kind, has_limit, limit,
+                          alpha, clamp_after, max_threads);
+  } catch (const std::exception& err) {
+    return ffi::Error::Internal(std::string("moejax native: ") + err.what());
+  }
+}
+
+}  // namespace moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExperts, moe::MoeExpertsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // indices [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // out_weight [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // in_scale [T, K] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate|up bias [E, 2I] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // down bias [E, H] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // NVFP4 scale2 [3, E] or [0]
+                                  .RemainingArgs()               // the weight buffers
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H]
+                                  .Attr<int64_t>("fmt")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("intermediate")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("fields_per_proj")
+                                  .Attr<int64_t>("per_expert")
+                                  .Attr<int64_t>("act_kind")
+                                  .Attr<int64_t>("has_limit")
+                                  .Attr<float>("limit")
+                                  .Attr<float>("alpha")
+                                  .Attr<int64_t>("clamp_after")
+                                  .Attr<int64_t>("max_threads"));
+
+// -- the Python module: PyCapsules of the handlers, the chosen ISA ---------------------------------------------
+static PyObject* registrations(PyObject*, PyObject*) {
+  PyObject* dict = PyDict_New();
+  if (!dict) return nullptr;
+  PyObject* capsule = PyCapsule_New(reinterpret_cast<void*>(&MoejaxRoutedExperts), nullptr, nullptr);
+  if (!capsule || PyDict_SetItemString(dict, "moejax_routed_experts", capsule) < 0) {
+    Py_XDECREF(capsule);
+    Py_DECREF(dict);
+    return nullptr;
+  }
+  Py_DECREF(capsule);
+  return dict;
+}
+
+static PyObject* isa(PyObject*, PyObject*) { return PyUnicode_FromString(moe::g_isa.load()); }
+
+// set_isa("generic" | "best"): the portable kernels or the best for this CPU, for calls that start afterwards
+// (tests compare the variants in one process).
+static PyObject* set_isa(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (!name) return nullptr;
+  if (std::string(name) == "generic") {
+    moe::g_kernels = moe::generic::kTable;
+    moe::g_isa = "generic";
+  } else if (std::string(name) == "best") {
+    moe::g_kernels = moe::generic::kTable;
+    moe::g_isa = "generic";
+    moe::select_isa();
+  } else {
+    PyErr_SetString(PyExc_ValueError, "set_isa: expected 'generic' or 'best'");
+    return nullptr;
+  }
+  return PyUnicode_FromString(moe::g_isa.load());
+}
+
+static PyMethodDef kMethods[] = {
+    {"registrations", registrations, METH_NOARGS, "{target name: PyCapsule of its XLA FFI handler}"},
+    {"isa", isa, METH_NOARGS, "the instruction set of the kernels chosen at load ('avx2' or 'generic')"},
+    {"set_isa", set_isa, METH_O, "set_isa('generic' | 'best') -> the instruction set now used"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_cpu", "moejax's native CPU kernels (XLA FFI)", -1,
+                              kMethods};
+
+PyMODINIT_FUNC PyInit__native_cpu(void) {
+  moe::select_isa();
+  return PyModule_Create(&kModule);
+}

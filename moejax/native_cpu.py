@@ -1,0 +1,274 @@
+"""The native CPU backend: moejax's routed experts as one XLA FFI call into C++ kernels (csrc/moe_cpu.cc).
+
+One call per layer call, any T: the union of the chosen experts, each union expert's weights read once for all
+of its rows, gate/up -> activation -> down -> the slot-weighted combine in slot order, on XLA's intra-op thread
+pool. Weights are read as stored, in every format and both layouts: dense float32 / bfloat16 / float16
+(`ExpertWeights` `[in, out]`, `FusedExpertWeights` `[out, in]`, the per-expert layout's storage on CPU),
+int8 / int4 group-wise symmetric and asymmetric, FP8 e4m3 with 128x128 blocks, MXFP4 and NVFP4
+(`moejax.quantized`). Weights are dequantized in registers; activations and accumulation are float32 (the
+numerics of `moejax.experts.reference_routed` on the dequantized weights, to float32 rounding).
+
+Batch invariance by construction: every output element is one fixed chain of operations over its row's
+inputs and the weights (csrc/kernels.inc), so a row's bits do not depend on T, its position, its neighbours or
+the number of threads.
+
+The extension is optional (setup.py); `available()` says whether it is built and loaded.
+MOEJAX_NATIVE=0 in the environment hides it at run time (then `impl="auto"` runs the XLA plans).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.experts import Slots
+from moejax.quantized import QuantizedExperts
+from moejax.weights import ExpertFormat, ExpertWeights, FusedExpertWeights, PerExpert
+from pallas_kernels.activations import GatedActivation
+from pallas_kernels.platform import choose_at_lowering
+
+Array = jax.Array
+TARGET = "moejax_routed_experts"
+_DENSE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
+_FUSED = 3  # + the dense dtype's index
+_QUANTIZED = {("int", 8): 6, ("int", 4): 7, ("fp8_block", 8): 8, ("mxfp4", 4): 9, ("nvfp4", 4): 10}
+_ACT_KINDS = {"silu": 0, "gelu_tanh": 1, "gpt_oss": 2}
+_REGISTERED: set[str] = set()
+_SCALE_DTYPES = {"int": "float32", "fp8_block": "float32", "mxfp4": "uint8", "nvfp4": "float8_e4m3fn"}
+
+
+@functools.cache
+def _module():
+    """The loaded extension with its FFI target registered, or None (not built, or hidden by MOEJAX_NATIVE=0)."""
+    if os.environ.get("MOEJAX_NATIVE", "1") == "0":
+        return None
+    try:
+        module = importlib.import_module("moejax._native_cpu")
+    except ImportError:
+        return None
+    for name, capsule in module.registrations().items():
+        if name not in _REGISTERED:  # once per process (the cache may be cleared)
+            jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+            _REGISTERED.add(name)
+    return module
+
+
+def available() -> bool:
+    """Whether the native kernels are built and loaded. Where they run is decided while lowering (`on_cpu`)."""
+    return _module() is not None
+
+
+def on_cpu(run, fallback, *operands) -> Array:
+    """`run(*operands)` in a program lowered for the CPU, `fallback(*operands)` elsewhere (a GPU or TPU program,
+    also one compiled on a CPU host for a compile-only topology): decided while lowering, never by the host's
+    default backend (`pallas_kernels.platform.choose_at_lowering`)."""
+    choose = lambda platform, device_kinds: 0 if platform == "cpu" else 1
+    return choose_at_lowering(choose, (run, fallback), *operands)
+
+
+def isa() -> str | None:
+    """The instruction set the kernels were chosen for at load ('avx2', 'generic'), None when not available."""
+    module = _module()
+    return None if module is None else module.isa()
+
+
+def routed_experts(
+    experts: PerExpert | ExpertFormat,
+    x: Array,
+    slots: Slots,
+    act: GatedActivation,
+    *,
+    lora=None,
+    max_threads: int = 0,
+) -> Array:
+    """`Σ_k out_weight[t, k] · E_{indices[t, k]}(in_scale · x[t])` `[T, H]` float32 by the native kernels.
+
+    Args:
+      experts: routed experts in either layout, any format in the module docstring.
+      x: `[T, H]` float32, bfloat16 or float16 (converted to float32 first).
+      slots: `Slots`; ids outside [0, E) and slots of weight 0 are skipped (contribute exactly 0).
+      act: the gated activation.
+      lora: must be None (adapters are not on the native path yet).
+      max_threads: at most this many threads (the caller's included); 0: the whole intra-op pool.
+
+    Raises:
+      NotImplementedError: not built, adapters, or a format the kernels do not read.
+      ValueError: shapes or dtypes of x, the slots or the weights that do not fit together.
+    """
+    if not available():
+        raise NotImplementedError("the native CPU kernels are not built or not loaded (moejax._native_cpu)")
+    if lora is not None:
+        raise NotImplementedError("the native CPU kernels do not apply LoRA adapters")
+    T, H = _check_rows(x, slots)
+    spec = _weight_spec(experts, H)
+    E, I = spec["E"], spec["I"]
+    gu_bias, d_bias = spec["biases"]
+    empty = jnp.zeros((0,), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((T, H), jnp.float32))
+    return call(
+        x.astype(jnp.float32),
+        slots.indices.astype(jnp.int32),
+        slots.out_weight.astype(jnp.float32),
+        empty if slots.in_scale is None else slots.in_scale.astype(jnp.float32),
+        empty if gu_bias is None else gu_bias,
+        empty if d_bias is None else d_bias,
+        empty if spec["scale2"] is None else spec["scale2"],
+        *spec["buffers"],
+        fmt=np.int64(spec["fmt"]),
+        num_experts=np.int64(E),
+        intermediate=np.int64(I),
+        group=np.int64(spec["group"]),
+        fields_per_proj=np.int64(spec["fields_per_proj"]),
+        per_expert=np.int64(spec["per_expert"]),
+        act_kind=np.int64(_ACT_KINDS[act.kind]),
+        has_limit=np.int64(act.limit is not None),
+        limit=np.float32(0.0 if act.limit is None else act.limit),
+        alpha=np.float32(act.alpha),
+        clamp_after=np.int64(act.clamp_order == "after_activation"),
+        max_threads=np.int64(max_threads),
+    )
+
+
+def _check_rows(x: Array, slots: Slots) -> tuple[int, int]:
+    """(T, H); `ValueError` naming the field when x and the slots do not fit."""
+    if x.ndim != 2:
+        raise ValueError(f"native: x must be [T, H], got {x.shape=}")
+    if jnp.dtype(x.dtype) not in _DENSE:
+        raise ValueError(f"native: x must be float32, bfloat16 or float16, got {x.dtype=}")
+    T, H = x.shape
+    idx = slots.indices
+    if idx.ndim != 2 or idx.shape[0] != T:
+        raise ValueError(f"native: slots.indices must be [T, K] with T={T}, got {idx.shape=}")
+    if not jnp.issubdtype(idx.dtype, jnp.integer):
+        raise ValueError(f"native: slots.indices must be integer expert ids, got {idx.dtype=}")
+    for name in ("out_weight", "in_scale"):
+        value = getattr(slots, name)
+        if value is None and name == "in_scale":
+            continue
+        if tuple(value.shape) != tuple(idx.shape):
+            raise ValueError(f"native: slots.{name} must be [T, K]={tuple(idx.shape)}, got {value.shape}")
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            raise ValueError(f"native: slots.{name} must be float, got {value.dtype}")
+    return T, H
+
+
+def _weight_spec(experts: PerExpert | ExpertFormat, H: int) -> dict:
+    """What the FFI call needs of the weights: format code, buffers (field-major), group, biases, scale2."""
+    per_expert = isinstance(experts, PerExpert)
+    parts = experts.parts if per_expert else (experts,)
+    one = parts[0]
+    kind = type(one)
+    if any(type(p) is not kind for p in parts):
+        raise ValueError("native: the per-expert parts must all have one format")
+    E = len(parts) if per_expert else experts.num_experts
+    lead = () if per_expert else (E,)
+    if isinstance(one, FusedExpertWeights):
+        I = one.down_weight.shape[-1]
+        names = ["gate_up_weight", "down_weight"]
+        shapes = {"gate_up_weight": (2 * I, H), "down_weight": (H, I)}
+        fmt, fields_per_proj, group = _FUSED + _dense_code(one, names), 0, 0
+        bias_names = ("gate_up_bias", None, "down_bias")
+    elif isinstance(one, ExpertWeights):
+        I = one.gate.shape[-1]
+        names = ["gate", "up", "down"]
+        shapes = {"gate": (H, I), "up": (H, I), "down": (I, H)}
+        fmt, fields_per_proj, group = _dense_code(one, names), 0, 0
+        bias_names = ("gate_bias", "up_bias", "down_bias")
+    elif isinstance(one, QuantizedExperts):
+        scheme = one.scheme
+        key = (scheme.kind, scheme.bits)
+        if key not in _QUANTIZED:
+            raise NotImplementedError(f"native: quantized scheme {scheme.name} is not supported")
+        I = one.gate_q.shape[-1]
+        fields = ["q", "scale"] + ([] if scheme.symmetric else ["zero"])
+        names = [f"{p}_{f}" for p in ("gate", "up", "down") for f in fields]
+        shapes = _quantized_shapes(scheme, H, I, fields)
+        fmt, fields_per_proj = _QUANTIZED[key], len(fields)
+        group = (scheme.group_size or 0) if scheme.kind == "int" else 0
+        _check_quantized_dtypes(one, scheme, names)
+        bias_names = ("gate_bias", "up_bias", "down_bias")
+    else:
+        raise NotImplementedError(f"native: format {kind.__name__} is not supported")
+    for part in parts:
+        for name in names:
+            value = getattr(part, name)
+            if value is None or tuple(value.shape) != lead + shapes[name]:
+                got = None if value is None else tuple(value.shape)
+                raise ValueError(f"native: experts.{name} must be {lead + shapes[name]} for H={H}, I={I}, got {got}")
+    buffers = [getattr(p, name) for name in names for p in parts]
+    return {
+        "E": E,
+        "I": I,
+        "fmt": fmt,
+        "group": group,
+        "fields_per_proj": fields_per_proj,
+        "per_expert": per_expert,
+        "buffers": buffers,
+        "biases": _biases(parts, bias_names, per_expert, E, H, I),
+        "scale2": _scale2(parts, per_expert) if fmt == _QUANTIZED[("nvfp4", 4)] else None,
+    }
+
+
+def _dense_code(one: ExpertFormat, names: list[str]) -> int:
+    dtypes = {jnp.dtype(getattr(one, n).dtype) for n in names}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _DENSE:
+        raise ValueError(f"native: dense weights {names} must share one of float32/bfloat16/float16, got {dtypes}")
+    return _DENSE[dtypes.pop()]
+
+
+def _quantized_shapes(scheme, H: int, I: int, fields: list[str]) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for p, (n_in, n_out) in (("gate", (H, I)), ("up", (H, I)), ("down", (I, H))):
+        scheme.check_dims(n_in, f"experts.{p}")
+        rows = n_in // 2 if scheme.packed else n_in
+        if scheme.kind == "fp8_block":
+            grid = (-(-n_in // 128), -(-n_out // 128))
+        else:
+            grid = (n_in // scheme.group(n_in), n_out)
+        shapes[f"{p}_q"] = (rows, n_out)
+        shapes[f"{p}_scale"] = grid
+        if "zero" in fields:
+            shapes[f"{p}_zero"] = grid
+    return shapes
+
+
+def _check_quantized_dtypes(one: QuantizedExperts, scheme, names: list[str]) -> None:
+    want = {
+        "q": "float8_e4m3fn" if scheme.kind == "fp8_block" else "uint8",
+        "scale": _SCALE_DTYPES[scheme.kind],
+        "zero": "int8",
+    }
+    for name in names:
+        field = name.split("_", 1)[1]
+        got = jnp.dtype(getattr(one, name).dtype)
+        if got != jnp.dtype(want[field]):
+            raise ValueError(f"native: experts.{name} must be {want[field]}, got {got}")
+
+
+def _stack(parts, name: str, per_expert: bool) -> Array:
+    arrays = [getattr(p, name).astype(jnp.float32) for p in parts]
+    return jnp.stack(arrays) if per_expert else arrays[0]
+
+
+def _biases(parts, names, per_expert: bool, E: int, H: int, I: int) -> tuple[Array | None, Array | None]:
+    """(gate|up bias `[E, 2I]`, down bias `[E, H]`) float32, or (None, None)."""
+    gate_name, up_name, down_name = names
+    if getattr(parts[0], gate_name) is None:
+        return None, None
+    gate_up = _stack(parts, gate_name, per_expert)
+    if up_name is not None:
+        gate_up = jnp.concatenate([gate_up, _stack(parts, up_name, per_expert)], axis=-1)
+    down = _stack(parts, down_name, per_expert)
+    if gate_up.shape != (E, 2 * I) or down.shape != (E, H):
+        raise ValueError(f"native: biases must be [E, 2I]=({E}, {2 * I}) and [E, H]=({E}, {H})")
+    return gate_up, down
+
+
+def _scale2(parts, per_expert: bool) -> Array:
+    """NVFP4's per-tensor multipliers `[3, E]` (gate, up, down) float32."""
+    return jnp.stack([_stack(parts, f"{p}_scale2", per_expert).reshape(-1) for p in ("gate", "up", "down")])

@@ -1,0 +1,358 @@
+"""The native CPU backend (moejax.native_cpu, csrc/): every weight format x activation against a numpy oracle on
+the dequantized weights, family samples through `moe_forward`, bit-identity of a row across batches, positions,
+neighbours and thread counts, input errors raised in Python, the portable C++ variant, and the fallback when the
+extension is absent."""
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import moejax
+from moejax import backends, native_cpu
+from moejax import quantized as Q
+from moejax.experts import Slots
+from moejax.weights import ExpertWeights, FusedExpertWeights, PerExpert, to_layout
+from pallas_kernels.activations import GatedActivation
+
+built = pytest.mark.skipif(not native_cpu.available(), reason="moejax._native_cpu is not built")
+
+ACTIVATIONS = {
+    "silu": GatedActivation("silu"),
+    "gelu_tanh": GatedActivation("gelu_tanh"),
+    "silu_clamp_before": GatedActivation("silu", limit=0.3, clamp_order="before_activation"),
+    "silu_clamp_after": GatedActivation("silu", limit=0.05, clamp_order="after_activation"),
+    "gpt_oss": GatedActivation("gpt_oss", limit=0.4, alpha=1.702),
+}
+# (name, quantize options); H, I multiples of 32 for the group-wise formats, 160 = 128 + 32 (a partial FP8 block).
+QUANTIZED = {
+    "int8_g16": ("int8", {"group_size": 16}),
+    "int8_channel_asym": ("int8", {"group_size": None, "symmetric": False}),
+    "int4_g32": ("int4", {"group_size": 32}),
+    "int4_g16_asym": ("int4", {"group_size": 16, "symmetric": False}),
+    "fp8_block": ("fp8_block", {}),
+    "mxfp4": ("mxfp4", {}),
+    "nvfp4": ("nvfp4", {}),
+}
+DENSE = ("float32", "bfloat16", "float16")
+
+
+# -- the oracle ---------------------------------------------------------------------------------------------------
+
+
+def _act_np(act: GatedActivation, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    sig = lambda z: 1 / (1 + np.exp(-z))
+    if act.kind == "gpt_oss":
+        g, u = np.minimum(g, act.limit), np.clip(u, -act.limit, act.limit)
+        return (u + 1) * g * sig(act.alpha * g)
+    f = (
+        (lambda z: z * sig(z))
+        if act.kind == "silu"
+        else (lambda z: 0.5 * z * (1 + np.tanh(0.7978845608 * (z + 0.044715 * z**3))))
+    )
+    if act.limit is None:
+        return f(g) * u
+    u = np.clip(u, -act.limit, act.limit)
+    return (
+        f(np.minimum(g, act.limit)) * u if act.clamp_order == "before_activation" else np.minimum(f(g), act.limit) * u
+    )
+
+
+def _oracle(experts, x, slots: Slots, act: GatedActivation) -> np.ndarray:
+    """float64 `Σ_e out_w[e, t] · E_e(scale[e, t] · x[t])` over the dequantized weights (reference_routed's form)."""
+    d = jax.tree.map(lambda a: np.asarray(a, np.float64), experts.dequantize())
+    x = np.asarray(x, np.float64)
+    idx = np.asarray(slots.indices)
+    w = np.asarray(slots.out_weight, np.float64)
+    s = None if slots.in_scale is None else np.asarray(slots.in_scale, np.float64)
+    out = np.zeros_like(x)
+    for e in range(d.gate.shape[0]):
+        hit = idx == e
+        rows = hit.any(1)
+        if not rows.any():
+            continue
+        xe = x[rows] if s is None else x[rows] * (s * hit).sum(1)[rows, None]  # summed input scales
+        g, u = xe @ d.gate[e], xe @ d.up[e]
+        if d.gate_bias is not None:
+            g, u = g + d.gate_bias[e], u + d.up_bias[e]
+        y = _act_np(act, g, u) @ d.down[e]
+        if d.down_bias is not None:
+            y = y + d.down_bias[e]
+        out[rows] += (w * hit).sum(1)[rows, None] * y
+    return out
+
+
+def _assert_close(got, want, what=""):
+    got = np.asarray(got)
+    scale = max(1.0, float(np.abs(want).max()))
+    err = float(np.abs(got - want).max()) if got.size else 0.0
+    assert err <= 3e-5 * scale, f"{what}: max error {err} (scale {scale})"
+
+
+# -- inputs -------------------------------------------------------------------------------------------------------
+
+
+def _dense(E, H, I, dtype="float32", bias=False, seed=0) -> ExpertWeights:
+    """Random dense experts from numpy (no eager jax op per shape), `[in, out]` stacked."""
+    rng = np.random.default_rng(seed)
+    n = lambda shape, fan: jnp.asarray((rng.standard_normal(shape) / np.sqrt(fan)).astype(np.float32)).astype(dtype)
+    biases = {}
+    if bias:
+        biases = {"gate_bias": n((E, I), 10), "up_bias": n((E, I), 10), "down_bias": n((E, H), 10)}
+    return ExpertWeights(n((E, H, I), H), n((E, H, I), H), n((E, I, H), I), **biases)
+
+
+def _fused_per_expert(dense: ExpertWeights) -> PerExpert:
+    """`to_layout(dense, "per_expert")` built on the host (the per-expert layout's FusedExpertWeights parts)."""
+    a = {k: None if v is None else np.asarray(v) for k, v in dense.fields().items()}
+    dtype = dense.gate.dtype
+    parts = []
+    for e in range(dense.num_experts):
+        bias = None if "gate_bias" not in a else np.concatenate([a["gate_bias"][e], a["up_bias"][e]])
+        parts.append(
+            FusedExpertWeights(
+                jnp.asarray(np.concatenate([a["gate"][e].T, a["up"][e].T]), dtype),
+                jnp.asarray(a["down"][e].T, dtype),
+                None if bias is None else jnp.asarray(bias, dtype),
+                None if bias is None else jnp.asarray(a["down_bias"][e], dtype),
+            )
+        )
+    return PerExpert(tuple(parts), ExpertWeights)
+
+
+def _slots(T, K, E, seed, *, in_scale=False, skipped=True) -> Slots:
+    rng = np.random.default_rng(seed)
+    hi = E + 3 if skipped else E  # ids >= E: zero / remote experts, never computed
+    idx = rng.integers(-1 if skipped else 0, hi, (T, K)).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
+    w[rng.random((T, K)) < 0.1] = 0.0  # weight-0 slots contribute exactly 0
+    w[(idx < 0) | (idx >= E)] = 0.0
+    scale = rng.uniform(0.5, 1.5, (T, K)).astype(np.float32) if in_scale else None
+    return Slots(jnp.asarray(idx), jnp.asarray(w), None if scale is None else jnp.asarray(scale))
+
+
+@functools.cache
+def _quantized(key: str, E=6, H=160, I=96, bias=False):
+    name, options = QUANTIZED[key]
+    return Q.quantize_experts(_dense(E, H, I, bias=bias), Q.format_by_name(name, **options))
+
+
+def _x(T, H, seed=1, dtype="float32"):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((T, H)).astype(np.float32)).astype(dtype)
+
+
+# -- formats x activations ----------------------------------------------------------------------------------------
+
+
+@built
+@pytest.mark.parametrize("dtype", DENSE)
+def test_dense_formats_and_layouts_match_oracle(dtype):
+    E, H, I, T, K = 7, 45, 27, 6, 3  # odd H and I: vector tails on both axes
+    dense = _dense(E, H, I, dtype, bias=True)
+    x = _x(T, H)
+    slots = _slots(T, K, E, 0, in_scale=True)
+    layouts = {"stacked": dense, "per_expert": _fused_per_expert(dense)}
+    for act_name, act in ACTIVATIONS.items():
+        want = _oracle(dense, x, slots, act)
+        for layout, experts in layouts.items():
+            got = native_cpu.routed_experts(experts, x, slots, act)
+            _assert_close(got, want, f"{dtype} {layout} {act_name}")
+
+
+@built
+@pytest.mark.parametrize("key", QUANTIZED)
+def test_quantized_formats_match_dequantize_then_reference(key):
+    T, K = 5, 3
+    q = _quantized(key, bias=True)
+    x = _x(T, 160)
+    slots = _slots(T, K, 6, 1, in_scale=key == "fp8_block")
+    per_expert = to_layout(q, "per_expert")
+    for act_name, act in ACTIVATIONS.items():
+        want = _oracle(q, x, slots, act)
+        _assert_close(native_cpu.routed_experts(q, x, slots, act), want, f"{key} stacked {act_name}")
+        if act_name == "gpt_oss":  # the per-expert layout reads the same arrays, one buffer per expert
+            _assert_close(native_cpu.routed_experts(per_expert, x, slots, act), want, f"{key} per-expert")
+
+
+@built
+@settings(max_examples=8)
+@given(
+    T=st.integers(1, 9),
+    K=st.integers(1, 4),
+    E=st.sampled_from([1, 3, 16, 256]),
+    H=st.integers(1, 21),
+    I=st.integers(1, 19),
+    in_scale=st.booleans(),
+    per_expert=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_dense_any_shape_matches_oracle(T, K, E, H, I, in_scale, per_expert, seed):
+    dense = _dense(E, H, I, seed=seed)
+    experts = _fused_per_expert(dense) if per_expert else dense
+    slots = _slots(T, K, E, seed, in_scale=in_scale)
+    x = _x(T, H, seed)
+    act = ACTIVATIONS["silu"]
+    _assert_close(native_cpu.routed_experts(experts, x, slots, act), _oracle(dense, x, slots, act), "hypothesis")
+
+
+@built
+def test_prefill_many_rows_matches_oracle():
+    E, H, I, T, K = 16, 33, 24, 300, 4
+    dense = _dense(E, H, I, "bfloat16")
+    x = _x(T, H)
+    slots = _slots(T, K, E, 2)
+    act = ACTIVATIONS["gelu_tanh"]
+    got = jax.jit(lambda e, x, s: native_cpu.routed_experts(e, x, s, act))(_fused_per_expert(dense), x, slots)
+    _assert_close(got, _oracle(dense, x, slots, act), "prefill")
+
+
+# -- families through moe_forward ---------------------------------------------------------------------------------
+
+
+@built
+@pytest.mark.parametrize(
+    ("family", "fmt"),
+    [("gpt_oss", "mxfp4"), ("llama4", "int4")],
+)
+def test_family_forward_matches_reference(family, fmt):
+    cfg = moejax.MoEConfig.preset(family, hidden_size=64, intermediate_size=32)
+    params = moejax.init_params(cfg, jax.random.key(3), layout="stacked")
+    if fmt is not None:
+        params = moejax.quantize(params, cfg, fmt, **({"group_size": 32} if fmt == "int4" else {}))
+    params = moejax.params.with_experts_layout(params, "per_expert")
+    x = _x(7, 64)
+    assert moejax.forward.chosen_impl(params, x, cfg) == "native"
+    forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
+    got = forward(params, x, cfg, impl="native")
+    want = forward(params, x, cfg, impl="reference")
+    np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-5)
+
+
+@built
+def test_grad_runs_through_the_reference_vjp():
+    dense, act = _dense(4, 8, 6), ACTIVATIONS["silu"]
+    x, slots = _x(2, 8), _slots(2, 2, 4, 0)
+    loss = lambda x, impl: jnp.sum(backends.run_routed(impl, dense, x, slots, act) ** 2)
+    np.testing.assert_allclose(jax.grad(loss)(x, "native"), jax.grad(loss)(x, "reference"), atol=1e-5, rtol=1e-5)
+
+
+# -- batch invariance ---------------------------------------------------------------------------------------------
+
+
+@built
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int4_g16_asym", "nvfp4"])
+def test_row_bits_do_not_depend_on_batch_position_neighbours_or_threads(fmt):
+    E, K = 16, 4
+    if fmt in DENSE:
+        H, I = 45, 27
+        experts = _fused_per_expert(_dense(E, H, I, fmt))
+    else:
+        H, I = 160, 96
+        experts = _quantized(fmt, E=E)
+    act = ACTIVATIONS["silu"]
+    run = jax.jit(lambda x, s, n: native_cpu.routed_experts(experts, x, s, act, max_threads=n), static_argnums=2)
+    row = np.asarray(_x(1, H, 9))
+    row_slots = _slots(1, K, E, 9, skipped=False)
+    alone = np.asarray(run(row, row_slots, 0))[0]
+    for T, pos, seed in ((2, 1, 0), (9, 4, 2), (130, 77, 4)):  # 130 rows: several row blocks per expert
+        x = np.array(_x(T, H, 100 + seed))
+        x[pos] = row[0]
+        s = _slots(T, K, E, 100 + seed, skipped=False)
+        idx, w = np.asarray(s.indices).copy(), np.asarray(s.out_weight).copy()
+        idx[pos], w[pos] = row_slots.indices[0], row_slots.out_weight[0]
+        for threads in (1, 0):
+            got = np.asarray(run(x, Slots(jnp.asarray(idx), jnp.asarray(w)), threads))[pos]
+            np.testing.assert_array_equal(got, alone, err_msg=f"T={T} pos={pos} threads={threads}")
+    copies = Slots(jnp.repeat(row_slots.indices, 8, 0), jnp.repeat(row_slots.out_weight, 8, 0))
+    got = np.asarray(run(np.repeat(row, 8, 0), copies, 0))  # 8 copies share one computed row per expert
+    np.testing.assert_array_equal(got, np.broadcast_to(alone, got.shape), err_msg="8 copies")
+
+
+# -- errors -------------------------------------------------------------------------------------------------------
+
+
+@built
+def test_bad_inputs_raise_in_python():
+    experts = to_layout(_dense(4, 8, 6), "per_expert")
+    x, slots, act = _x(2, 8), _slots(2, 2, 4, 0), ACTIVATIONS["silu"]
+    with pytest.raises(ValueError, match="x must be"):
+        native_cpu.routed_experts(experts, x[None], slots, act)
+    with pytest.raises(ValueError, match="x must be float32"):
+        native_cpu.routed_experts(experts, x.astype(jnp.int32), slots, act)
+    with pytest.raises(ValueError, match="indices must be integer"):
+        native_cpu.routed_experts(experts, x, Slots(slots.indices.astype(jnp.float32), slots.out_weight), act)
+    with pytest.raises(ValueError, match="out_weight must be"):
+        native_cpu.routed_experts(experts, x, Slots(slots.indices, slots.out_weight[:, :1]), act)
+    with pytest.raises(ValueError, match="indices must be"):
+        native_cpu.routed_experts(experts, x, Slots(slots.indices[:1], slots.out_weight[:1]), act)
+    with pytest.raises(ValueError, match="gate_up_weight must be"):
+        native_cpu.routed_experts(experts, _x(2, 9), slots, act)  # H of x is not the weights' H
+    q = _quantized("int8_g16", E=4)
+    bad = Q.quantize_experts(_dense(4, 160, 96), Q.format_by_name("int8", group_size=16))
+    bad = type(bad)(**{**bad.fields(), "gate_q": bad.gate_q.astype(jnp.int8)})
+    with pytest.raises(ValueError, match="gate_q must be uint8"):
+        native_cpu.routed_experts(bad, _x(2, 160), slots, act)
+    misaligned = PerExpert((*q.unstack().parts[:3], to_layout(_dense(1, 160, 96), "per_expert").parts[0]))
+    with pytest.raises(ValueError, match="one format"):
+        native_cpu.routed_experts(misaligned, _x(2, 160), slots, act)
+
+
+@built
+def test_unsupported_cases_raise_not_implemented():
+    x, slots = _x(3, 16), _slots(3, 2, 4, 0)
+    with pytest.raises(NotImplementedError, match="LoRA"):  # "auto" then runs the XLA/CPU plans (test_lora.py)
+        native_cpu.routed_experts(_dense(4, 16, 8), x, slots, ACTIVATIONS["silu"], lora=object())
+    assert backends.candidates("auto", 3, 2)[0] == "native"
+    # ragged_dot comes first for grouped calls but is chosen only in programs lowered for TPU/GPU
+    assert [name for name in backends.candidates("auto", 300, 2) if name != "ragged"][0] == "native"
+
+
+# -- the portable variant and the build without the extension ---------------------------------------------------
+
+
+@pytest.fixture
+def generic_isa():
+    module = native_cpu._module()
+    assert module.set_isa("generic") == "generic"
+    yield
+    module.set_isa("best")
+
+
+@built
+def test_portable_variant_matches_oracle(generic_isa):
+    act = ACTIVATIONS["gpt_oss"]
+    for key in QUANTIZED:
+        q = _quantized(key)
+        x, s = _x(3, 160), _slots(3, 2, 6, 0, in_scale=True)
+        _assert_close(native_cpu.routed_experts(q, x, s, act), _oracle(q, x, s, act), f"generic {key}")
+    for dtype in DENSE:
+        d = _dense(5, 19, 11, dtype)
+        x, s = _x(4, 19), _slots(4, 2, 5, 0)
+        for experts in (d, _fused_per_expert(d)):
+            _assert_close(native_cpu.routed_experts(experts, x, s, act), _oracle(d, x, s, act), f"generic {dtype}")
+
+
+def test_without_the_extension_auto_runs_the_cpu_plans(monkeypatch):
+    """As installed without a compiler (MOEJAX_NATIVE_BUILD=0): the import of moejax._native_cpu fails."""
+    native_cpu._module.cache_clear()
+    monkeypatch.setitem(sys.modules, "moejax._native_cpu", None)  # import raises ImportError
+    try:
+        assert not native_cpu.available() and native_cpu.isa() is None
+        cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=16, intermediate_size=8, num_experts=4, top_k=2)
+        params = moejax.init_params(cfg, jax.random.key(0))
+        x = _x(3, 16)
+        assert "native" not in backends.candidates("auto", 3, cfg.top_k)
+        assert moejax.forward.chosen_impl(params, x, cfg) == "cpu_decode"
+        with pytest.raises(NotImplementedError, match="not built"):
+            native_cpu.routed_experts(params.experts, x, _slots(3, 2, 4, 0), ACTIVATIONS["silu"])
+        monkeypatch.setenv("MOEJAX_NATIVE", "0")  # the run-time switch hides a built extension too
+        monkeypatch.delitem(sys.modules, "moejax._native_cpu")
+        native_cpu._module.cache_clear()
+        assert not native_cpu.available()
+    finally:
+        native_cpu._module.cache_clear()
