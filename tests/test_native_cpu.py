@@ -309,7 +309,7 @@ def test_unsupported_cases_raise_not_implemented():
         native_cpu.routed_experts(_dense(4, 16, 8), x, slots, ACTIVATIONS["silu"], lora=object())
     assert backends.candidates("auto", 3, 2)[0] == "native"
     # ragged_dot comes first for grouped calls but is chosen only in programs lowered for TPU/GPU
-    assert [name for name in backends.candidates("auto", 300, 2) if name != "ragged"][0] == "native"
+    assert next(name for name in backends.candidates("auto", 300, 2) if name != "ragged") == "native"
 
 
 # -- the portable variant and the build without the extension ---------------------------------------------------
