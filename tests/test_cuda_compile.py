@@ -53,6 +53,11 @@ CASES = {
     "qwen3-T1-fp8": ("qwen3-30b-a3b", 1, "bfloat16", "fp8_block"),
     "qwen3-T2048-fp8": ("qwen3-30b-a3b", 2048, "bfloat16", "fp8_block"),
 }
+# The suite compiles a subset (suite time): DeepSeek-V3's and Mixtral's bf16 layers build the same kernels as
+# Qwen3-30B-A3B's (same registers and shared memory, decode and prefill), only at other sizes. The whole table:
+# `MOEJAX_CUDA_COMPILE_ALL=1 pytest tests/test_cuda_compile.py`, or `python tests/test_cuda_compile.py --out r.json`.
+SUITE_CASES = [label for label in CASES if not label.startswith(("dsv3-", "mixtral-"))]
+RUN_CASES = list(CASES) if os.environ.get("MOEJAX_CUDA_COMPILE_ALL") == "1" else SUITE_CASES
 # By hand only (`python tests/test_cuda_compile.py --out r.json qwen3-T1-int4 ...`): the suite has no time for them.
 EXTRA_CASES = {
     f"qwen3-T{T}-{name}": ("qwen3-30b-a3b", T, "bfloat16", name)
@@ -109,7 +114,7 @@ def compiled(tmp_path_factory):
         pytest.skip(reason)
     out = tmp_path_factory.mktemp("cuda_compile") / "result.json"
     start = time.perf_counter()
-    cmd = [sys.executable, __file__, "--out", str(out)]
+    cmd = [sys.executable, __file__, "--out", str(out), *RUN_CASES, BROKEN]
     proc = subprocess.run(cmd, env=_compile_env(), capture_output=True, text=True, timeout=_TIMEOUT_S)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"compile subprocess failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
@@ -129,7 +134,7 @@ def problems(kernel: dict) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("label", list(CASES))
+@pytest.mark.parametrize("label", RUN_CASES)
 def test_kernels_compile_for_sm90a_without_spills(compiled, label):
     r = compiled[0][label]
     assert r.get("error") is None, r["error"]
