@@ -4,13 +4,16 @@ import json
 
 import pytest
 
+from moejax import native_cpu
 from moejax.__main__ import main
 
 
 def test_demo_prints_routing(capsys):
     assert main(["demo", "--family", "longcat_flash", "--decode-rows", "3", "--prefill-rows", "24"]) == 0
     out = capsys.readouterr().out
-    assert "decode: T=3 plan=cpu_decode" in out and "prefill: T=24 plan=cpu_grouped" in out  # CPU default layout
+    # CPU default layout: the native kernels where built, else the CPU plans
+    decode, prefill = ("native", "native") if native_cpu.available() else ("cpu_decode", "cpu_grouped")
+    assert f"decode: T=3 plan={decode}" in out and f"prefill: T=24 plan={prefill}" in out
     assert "union of selected experts" in out and "token 2: experts" in out
 
 
