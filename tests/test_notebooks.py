@@ -18,6 +18,10 @@ def test_notebook_executes(path):
     assert all(not cell.get("outputs") for cell in code), "stored with outputs"
     # The kernel imports this checkout's moejax, not whichever copy is installed (a worktree, an editable install).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    # Compile time dominates the notebooks' cells and their figures do not depend on XLA:CPU's LLVM optimisation:
+    # compile with the cheap pipeline (the option the tests' tolerance-checked jits use).
+    fast = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    env["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), fast]))
     NotebookClient(
         notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     ).execute(env=env)
