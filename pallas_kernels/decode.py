@@ -28,29 +28,20 @@ rows (a tile per union expert). The shared expert and zero-expert terms are the 
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.activations import GatedActivation
 from pallas_kernels.expert_tiles import (
     TILE_ROWS,
     TileBlockSizes,
-    check_moe_inputs,
-    combine_slots,
-    compute_dtype,
-    dense_reference,
-    down_tiles,
-    gate_up_tiles,
-    pad_biases,
-    pad_experts,
+    TilePairBlockSizes,
+    pad_problem,
     quantized_tile_options,
-    require_activation,
-    round_up,
+    tiles_ffn,
 )
+from pallas_kernels.moe_op import MoEProblem, combine_slots, compute_dtype, moe_op, moe_reference
 from pallas_kernels.platform import interpret_by_platform
 
 Array = jax.Array
@@ -60,17 +51,8 @@ MAX_SLOTS = 64
 _ROWS_OUT = 8  # rows of each union expert's output stored by the down kernel (>= MAX_ROWS)
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeBlockSizes:
+class DecodeBlockSizes(TilePairBlockSizes):
     """Blocks of the two decode kernels (see `TileBlockSizes`)."""
-
-    gate_up: TileBlockSizes
-    down: TileBlockSizes
-
-    def __post_init__(self) -> None:
-        for name in ("gate_up", "down"):
-            if not isinstance(getattr(self, name), TileBlockSizes):
-                raise ValueError(f"DecodeBlockSizes.{name} must be a TileBlockSizes, got {getattr(self, name)!r}")
 
     @classmethod
     def default(
@@ -106,132 +88,55 @@ def union_of_experts(indices: Array, num_experts: int) -> tuple[Array, Array, Ar
     return union_ids, jnp.sum(is_first, dtype=jnp.int32), slot_position.reshape(T, K)
 
 
-@interpret_by_platform
-def moe_decode(
-    x: Array,
-    gate: Array,
-    up: Array,
-    down: Array,
-    indices: Array,
-    weights: Array,
-    in_scale: Array | None = None,
-    *,
-    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
-    gate_bias: Array | None = None,
-    up_bias: Array | None = None,
-    down_bias: Array | None = None,
-    block_sizes: DecodeBlockSizes | None = None,
-    interpret: bool | None = None,
-) -> Array:
-    """Routed experts for decode rows: `Σ_k weights[t,k] · E_{indices[t,k]}(in_scale[t,k] · x[t])`.
-
-    Args:
-      x: `[T, H]` rows, T <= 8 and T·K <= 64 (cast to the weight dtype for the matmuls).
-      gate, up: `[E, H, I]`; down: `[E, I, H]`, one of bf16 (fast path), f16, f32 (TF32 on a GPU), or all three
-        `QuantizedWeight`s of one kind (int8/int4/fp8_block/mxfp4/nvfp4: the kernels read the codes and scales and
-        dequantize each step's tile in registers to bf16; x and h are then bf16).
-      indices: `[T, K]` int expert ids; ids outside [0, E) contribute nothing.
-      weights: `[T, K]` output weight of each slot. in_scale: `[T, K]` input scale of each slot, or None.
-      activation: the gated activation `h = act(gate, up)` (`GatedActivation`: SwiGLU by default).
-      gate_bias, up_bias: `[E, I]`, down_bias: `[E, H]`, all or none (gpt-oss): added in float32 to the
-        gate/up accumulators before the activation and to the down output.
-      block_sizes: `DecodeBlockSizes`, default `DecodeBlockSizes.default(H, I, dtype)`.
-      interpret: None: compiled where lowered for CUDA, under the Mosaic GPU interpreter where lowered for CPU
-        (`pallas_kernels.platform`); True/False force one.
-
-    Returns:
-      `[T, H]` float32.
-    """
-    biases = (gate_bias, up_bias, down_bias)
-    check_moe_inputs("moe_decode", x, gate, up, down, indices, weights, in_scale, biases)
-    require_activation("moe_decode", activation)
-    T, H = x.shape
-    E, _, I = gate.shape
-    K = indices.shape[1]
+def check_decode_rows(name: str, p: MoEProblem) -> None:
+    """`ValueError` unless `p` has T <= 8 rows and T·K <= 64 slots (what the decode kernels serve)."""
+    T, _, _, _, K = p.dims
     if T > MAX_ROWS or T * K > MAX_SLOTS:
-        raise ValueError(f"moe_decode serves T <= {MAX_ROWS} rows and T·K <= {MAX_SLOTS} slots, got T={T}, K={K}")
-    dtype = compute_dtype(gate)  # bf16 for quantized weights
+        raise ValueError(f"{name} serves T <= {MAX_ROWS} rows and T·K <= {MAX_SLOTS} slots, got T={T}, K={K}")
+
+
+def union_row_scale(p: MoEProblem, slot_position: Array) -> Array:
+    """`[T·K, T]` float32: row t's input scale for union expert u (summed over its slots that chose u)."""
+    T, _, E, _, K = p.dims
+    hit = (slot_position[None] == jnp.arange(T * K)[:, None, None]) & ((p.indices >= 0) & (p.indices < E))[None]
+    return jnp.einsum("utk,tk->ut", hit.astype(jnp.float32), p.in_scale.astype(jnp.float32))
+
+
+@interpret_by_platform
+@moe_op
+def moe_decode(p: MoEProblem, *, block_sizes: DecodeBlockSizes | None = None, interpret: bool | None = None) -> Array:
+    """Routed experts for decode rows (`MoEProblem`): T <= 8 rows and T·K <= 64 slots, `[T, H]` float32.
+
+    Weights bf16 (fast path), f16, f32 (TF32 on a GPU), or `QuantizedWeight`s (int8/int4/fp8_block/mxfp4/nvfp4:
+    the kernels read the codes and scales and dequantize each step's tile in registers to bf16).
+    block_sizes: `DecodeBlockSizes`, default `DecodeBlockSizes.default(H, I, dtype)`.
+    interpret: None: compiled where lowered for CUDA, under the Mosaic GPU interpreter where lowered for CPU
+      (`pallas_kernels.platform`); True/False force one.
+    """
+    check_decode_rows("moe_decode", p)
+    T, H, E, I, K = p.dims
+    dtype = compute_dtype(p.gate)  # bf16 for quantized weights
     bs = block_sizes or DecodeBlockSizes.default(
-        H, I, dtype, interpret=interpret, weight_kind=getattr(gate, "kind", None)
+        H, I, dtype, interpret=interpret, weight_kind=getattr(p.gate, "kind", None)
     )
-    hidden = round_up(H, math.lcm(bs.gate_up.block_k, bs.down.block_n))
-    inter = round_up(I, math.lcm(bs.gate_up.block_n, bs.down.block_k))
     M = T * K
 
-    union_ids, n_union, slot_position = union_of_experts(indices, E)
-    x, gate, up, down = pad_experts(x, gate, up, down, hidden, inter)
-    gate_bias, up_bias, down_bias = pad_biases(biases, hidden, inter)
-    if in_scale is None:
-        rows = jnp.zeros((TILE_ROWS, hidden), dtype).at[:T].set(x.astype(dtype))  # one tile shared by all
+    union_ids, n_union, slot_position = union_of_experts(p.indices, E)
+    padded = pad_problem(p, bs)
+    hidden = padded.x.shape[1]
+    if p.in_scale is None:
+        rows = jnp.zeros((TILE_ROWS, hidden), dtype).at[:T].set(padded.x.astype(dtype))  # one tile shared by all
         tile_block = jnp.zeros(M, jnp.int32)
     else:
-        # Row t's input scale for union expert u (summed over its slots that chose u).
-        hit = (slot_position[None] == jnp.arange(M)[:, None, None]) & ((indices >= 0) & (indices < E))[None]
-        row_scale = jnp.einsum("utk,tk->ut", hit.astype(jnp.float32), in_scale.astype(jnp.float32))  # [M, T]
-        scaled = (x.astype(jnp.float32)[None] * row_scale[..., None]).astype(dtype)  # [M, T, H]
+        row_scale = union_row_scale(p, slot_position)  # [M, T]
+        scaled = (padded.x.astype(jnp.float32)[None] * row_scale[..., None]).astype(dtype)  # [M, T, H]
         rows = jnp.zeros((M, TILE_ROWS, hidden), dtype).at[:, :T].set(scaled).reshape(M * TILE_ROWS, hidden)
         tile_block = jnp.arange(M, dtype=jnp.int32)
-    num_tiles = n_union[None]
-
-    h = gate_up_tiles(
-        rows,
-        gate,
-        up,
-        union_ids,
-        tile_block,
-        num_tiles,
-        activation=activation,
-        gate_bias=gate_bias,
-        up_bias=up_bias,
-        block_sizes=bs.gate_up,
-        interpret=interpret,
-    )  # [M·64, I]
-    y = down_tiles(
-        h,
-        down,
-        union_ids,
-        num_tiles,
-        rows_out=_ROWS_OUT,
-        down_bias=down_bias,
-        block_sizes=bs.down,
-        interpret=interpret,
-    )
+    tables = (union_ids, tile_block, n_union[None])
+    y = tiles_ffn(rows, padded, tables, bs, _ROWS_OUT, interpret)
     y = y.reshape(M, _ROWS_OUT, hidden)[:, :T, :H]  # [M, T, H]; entries >= n_union are unwritten
     per_slot = y[slot_position, jnp.arange(T)[:, None]]  # [T, K, H]
-    return combine_slots(per_slot, indices, weights, E)
+    return combine_slots(per_slot, p.indices, p.weights, E)
 
 
-def moe_decode_reference(
-    x: Array,
-    gate: Array,
-    up: Array,
-    down: Array,
-    indices: Array,
-    weights: Array,
-    in_scale: Array | None = None,
-    *,
-    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
-    gate_bias: Array | None = None,
-    up_bias: Array | None = None,
-    down_bias: Array | None = None,
-    block_sizes: DecodeBlockSizes | None = None,
-    interpret: bool | None = None,
-) -> Array:
-    """Plain-jnp `moe_decode` (dense over experts); `block_sizes` and `interpret` exist for signature parity."""
-    del block_sizes, interpret
-    check_moe_inputs(
-        "moe_decode_reference", x, gate, up, down, indices, weights, in_scale, (gate_bias, up_bias, down_bias)
-    )
-    return dense_reference(
-        x,
-        gate,
-        up,
-        down,
-        indices,
-        weights,
-        in_scale,
-        activation=activation,
-        gate_bias=gate_bias,
-        up_bias=up_bias,
-        down_bias=down_bias,
-    )
+moe_decode_reference = moe_reference(moe_decode)

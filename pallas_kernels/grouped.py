@@ -23,45 +23,27 @@ kernels read codes and scales and dequantize each tile in registers to bf16 befo
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.activations import GatedActivation
 from pallas_kernels.expert_tiles import (
     TILE_ROWS,
     TileBlockSizes,
-    check_moe_inputs,
-    combine_slots,
-    compute_dtype,
-    dense_reference,
-    down_tiles,
-    gate_up_tiles,
-    pad_biases,
-    pad_experts,
+    TilePairBlockSizes,
+    pad_problem,
     quantized_tile_options,
-    require_activation,
-    round_up,
+    tiles_ffn,
 )
+from pallas_kernels.moe_op import MoEProblem, combine_slots, compute_dtype, moe_op, moe_reference
 from pallas_kernels.platform import interpret_by_platform
 
 Array = jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupedBlockSizes:
+class GroupedBlockSizes(TilePairBlockSizes):
     """Blocks of the two grouped kernels (see `TileBlockSizes`); rows per tile are fixed at 64."""
-
-    gate_up: TileBlockSizes
-    down: TileBlockSizes
-
-    def __post_init__(self) -> None:
-        for name in ("gate_up", "down"):
-            if not isinstance(getattr(self, name), TileBlockSizes):
-                raise ValueError(f"GroupedBlockSizes.{name} must be a TileBlockSizes, got {getattr(self, name)!r}")
 
     @classmethod
     def default(
@@ -114,118 +96,39 @@ def block_aligned_layout(indices: Array, num_experts: int) -> tuple[Array, Array
 
 
 @interpret_by_platform
-def moe_grouped(
-    x: Array,
-    gate: Array,
-    up: Array,
-    down: Array,
-    indices: Array,
-    weights: Array,
-    in_scale: Array | None = None,
-    *,
-    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
-    gate_bias: Array | None = None,
-    up_bias: Array | None = None,
-    down_bias: Array | None = None,
-    block_sizes: GroupedBlockSizes | None = None,
-    interpret: bool | None = None,
-) -> Array:
-    """Routed experts for any number of rows: `Σ_k weights[t,k] · E_{indices[t,k]}(in_scale[t,k] · x[t])`.
+@moe_op
+def moe_grouped(p: MoEProblem, *, block_sizes: GroupedBlockSizes | None = None, interpret: bool | None = None) -> Array:
+    """Routed experts for any number of rows (`MoEProblem`), `[T, H]` float32.
 
-    Args:
-      x: `[T, H]` rows (cast to the weight dtype for the matmuls).
-      gate, up: `[E, H, I]`; down: `[E, I, H]`, one of bf16 (fast path), f16, f32 (TF32 on a GPU), or all three
-        `QuantizedWeight`s of one kind (int8/int4/fp8_block/mxfp4/nvfp4: the kernels read the codes and scales and
-        dequantize each step's tile in registers to bf16; x and h are then bf16).
-      indices: `[T, K]` int expert ids; ids outside [0, E) contribute nothing.
-      weights: `[T, K]` output weight of each slot. in_scale: `[T, K]` input scale of each slot, or None.
-      activation: the gated activation `h = act(gate, up)` (`GatedActivation`: SwiGLU by default).
-      gate_bias, up_bias: `[E, I]`, down_bias: `[E, H]`, all or none (gpt-oss): added in float32 to the
-        gate/up accumulators before the activation and to the down output.
-      block_sizes: `GroupedBlockSizes`, default `GroupedBlockSizes.default(H, I, dtype)`.
-      interpret: None: compiled where lowered for CUDA, under the Mosaic GPU interpreter where lowered for CPU
-        (`pallas_kernels.platform`); True/False force one.
-
-    Returns:
-      `[T, H]` float32.
+    Weights bf16 (fast path), f16, f32 (TF32 on a GPU), or `QuantizedWeight`s (int8/int4/fp8_block/mxfp4/nvfp4:
+    the kernels read the codes and scales and dequantize each step's tile in registers to bf16).
+    block_sizes: `GroupedBlockSizes`, default `GroupedBlockSizes.default(H, I, dtype)`.
+    interpret: None: compiled where lowered for CUDA, under the Mosaic GPU interpreter where lowered for CPU
+      (`pallas_kernels.platform`); True/False force one.
     """
-    biases = (gate_bias, up_bias, down_bias)
-    check_moe_inputs("moe_grouped", x, gate, up, down, indices, weights, in_scale, biases)
-    require_activation("moe_grouped", activation)
-    T, H = x.shape
-    E, _, I = gate.shape
-    K = indices.shape[1]
-    dtype = compute_dtype(gate)  # bf16 for quantized weights
+    T, H, E, I, K = p.dims
+    dtype = compute_dtype(p.gate)  # bf16 for quantized weights
     bs = block_sizes or GroupedBlockSizes.default(
-        H, I, dtype, interpret=interpret, weight_kind=getattr(gate, "kind", None)
+        H, I, dtype, interpret=interpret, weight_kind=getattr(p.gate, "kind", None)
     )
-    hidden = round_up(H, math.lcm(bs.gate_up.block_k, bs.down.block_n))
-    inter = round_up(I, math.lcm(bs.gate_up.block_n, bs.down.block_k))
     M = T * K
 
-    pair_row, row_pair, tile_expert, num_tiles = block_aligned_layout(indices, E)
-    x, gate, up, down = pad_experts(x, gate, up, down, hidden, inter)
-    gate_bias, up_bias, down_bias = pad_biases(biases, hidden, inter)
+    pair_row, row_pair, tile_expert, num_tiles = block_aligned_layout(p.indices, E)
+    padded = pad_problem(p, bs)
+    hidden = padded.x.shape[1]
     padding = row_pair >= M
     token_of_row = jnp.where(padding, T, row_pair // K)  # row T of x_ext is zeros
-    if in_scale is None:
-        x_ext = jnp.concatenate([x.astype(dtype), jnp.zeros((1, hidden), dtype)])
+    if p.in_scale is None:
+        x_ext = jnp.concatenate([padded.x.astype(dtype), jnp.zeros((1, hidden), dtype)])
         rows = x_ext[token_of_row]  # [R, H]
     else:
-        x_ext = jnp.concatenate([x.astype(jnp.float32), jnp.zeros((1, hidden), jnp.float32)])
-        scale = jnp.where(padding, 0.0, in_scale.reshape(-1).astype(jnp.float32)[jnp.minimum(row_pair, M - 1)])
+        x_ext = jnp.concatenate([padded.x.astype(jnp.float32), jnp.zeros((1, hidden), jnp.float32)])
+        scale = jnp.where(padding, 0.0, p.in_scale.reshape(-1).astype(jnp.float32)[jnp.minimum(row_pair, M - 1)])
         rows = (x_ext[token_of_row] * scale[:, None]).astype(dtype)
     tile_block = jnp.arange(tile_expert.shape[0], dtype=jnp.int32)
-
-    h = gate_up_tiles(
-        rows,
-        gate,
-        up,
-        tile_expert,
-        tile_block,
-        num_tiles,
-        activation=activation,
-        gate_bias=gate_bias,
-        up_bias=up_bias,
-        block_sizes=bs.gate_up,
-        interpret=interpret,
-    )  # [R, I]
-    y = down_tiles(h, down, tile_expert, num_tiles, down_bias=down_bias, block_sizes=bs.down, interpret=interpret)
+    y = tiles_ffn(rows, padded, (tile_expert, tile_block, num_tiles), bs, TILE_ROWS, interpret)
     per_pair = y[jnp.minimum(pair_row, y.shape[0] - 1), :H]  # [M, H]; rows of ids outside are masked below
-    return combine_slots(per_pair.reshape(T, K, H), indices, weights, E)
+    return combine_slots(per_pair.reshape(T, K, H), p.indices, p.weights, E)
 
 
-def moe_grouped_reference(
-    x: Array,
-    gate: Array,
-    up: Array,
-    down: Array,
-    indices: Array,
-    weights: Array,
-    in_scale: Array | None = None,
-    *,
-    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
-    gate_bias: Array | None = None,
-    up_bias: Array | None = None,
-    down_bias: Array | None = None,
-    block_sizes: GroupedBlockSizes | None = None,
-    interpret: bool | None = None,
-) -> Array:
-    """Plain-jnp `moe_grouped` (dense over experts); `block_sizes` and `interpret` exist for signature parity."""
-    del block_sizes, interpret
-    check_moe_inputs(
-        "moe_grouped_reference", x, gate, up, down, indices, weights, in_scale, (gate_bias, up_bias, down_bias)
-    )
-    return dense_reference(
-        x,
-        gate,
-        up,
-        down,
-        indices,
-        weights,
-        in_scale,
-        activation=activation,
-        gate_bias=gate_bias,
-        up_bias=up_bias,
-        down_bias=down_bias,
-    )
+moe_grouped_reference = moe_reference(moe_grouped)

@@ -34,15 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.activations import GatedActivation
-from pallas_kernels.decode import MAX_ROWS, MAX_SLOTS, union_of_experts
-from pallas_kernels.expert_tiles import (
-    check_moe_inputs,
-    combine_slots,
-    compute_dtype,
-    dense_reference,
-    require_activation,
-)
+from pallas_kernels.decode import check_decode_rows, union_of_experts, union_row_scale
+from pallas_kernels.moe_op import MoEProblem, combine_slots, compute_dtype, moe_op, moe_reference
 from pallas_kernels.quantized_weights import QuantizedWeight
 
 Array = jax.Array
@@ -352,102 +345,44 @@ def _down(h, down, bias, union_ids, n_union, bs, interpret):
     )(union_ids, n_union, h, *_weight_parts(down), *bias)
 
 
+@moe_op
 def moe_tpu_decode(
-    x: Array,
-    gate: Array,
-    up: Array,
-    down: Array,
-    indices: Array,
-    weights: Array,
-    in_scale: Array | None = None,
+    p: MoEProblem,
     *,
-    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
-    gate_bias: Array | None = None,
-    up_bias: Array | None = None,
-    down_bias: Array | None = None,
     block_sizes: TpuDecodeBlockSizes | None = None,
     device_kind: str | None = None,
     interpret: bool = False,
 ) -> Array:
-    """Routed experts for T <= 8 rows on Mosaic TPU: `Σ_k weights[t,k] · E_{indices[t,k]}(in_scale[t,k] · x[t])`.
+    """Routed experts for T <= 8 rows (`MoEProblem`) on Mosaic TPU, `[T, H]` float32.
 
-    Args:
-      x: `[T, H]` rows (cast to the weight dtype for the matmuls), T <= 8, T·K <= 64.
-      gate, up: `[E, H, I]`; down: `[E, I, H]`, bf16 or float32.
-      indices: `[T, K]` int expert ids; ids outside [0, E) contribute nothing.
-      weights: `[T, K]` output weight of each slot. in_scale: `[T, K]` input scale of each slot, or None.
-      activation: the gated activation. gate_bias, up_bias `[E, I]`, down_bias `[E, H]`: all or none.
-      block_sizes: `TpuDecodeBlockSizes`, default `TpuDecodeBlockSizes.default(H, I, dtype, device_kind)`.
-      device_kind: the TPU the program is compiled for (JAX's `device_kind`, e.g. "TPU v6 lite"): its VMEM
-        sizes the tiles (`pallas_kernels.platform` passes it when lowering).
-      interpret: run under Pallas's TPU interpreter (on CPU, for tests).
-
-    Returns:
-      `[T, H]` float32.
+    Weights bf16 or float32, or int8 `QuantizedWeight`s (groups of 128·j or whole columns).
+    block_sizes: `TpuDecodeBlockSizes`, default `TpuDecodeBlockSizes.default(H, I, dtype, device_kind)`.
+    device_kind: the TPU the program is compiled for (JAX's `device_kind`, e.g. "TPU v6 lite"): its VMEM sizes
+      the tiles (`pallas_kernels.platform` passes it when lowering).
+    interpret: run under Pallas's TPU interpreter (on CPU, for tests).
     """
-    biases = (gate_bias, up_bias, down_bias)
-    check_moe_inputs("moe_tpu_decode", x, gate, up, down, indices, weights, in_scale, biases)
-    require_activation("moe_tpu_decode", activation)
-    check_tpu_weights("moe_tpu_decode", gate, int8=True)
-    T, H = x.shape
-    E, _, I = gate.shape
-    K = indices.shape[1]
-    if T > MAX_ROWS or T * K > MAX_SLOTS:
-        raise ValueError(f"moe_tpu_decode: T <= {MAX_ROWS} and T·K <= {MAX_SLOTS}, got {indices.shape=}")
+    check_tpu_weights("moe_tpu_decode", p.gate, int8=True)
+    check_decode_rows("moe_tpu_decode", p)
+    T, H, E, I, _ = p.dims
+    gate, down = p.gate, p.down
     groups = (gate.group, down.group) if isinstance(gate, QuantizedWeight) else None
     bs = block_sizes or TpuDecodeBlockSizes.default(H, I, gate.dtype, device_kind, groups)
     bs.check(H, I, groups)
 
-    union_ids, n_union, slot_position = union_of_experts(indices, E)
+    union_ids, n_union, slot_position = union_of_experts(p.indices, E)
     M = union_ids.shape[0]
-    if in_scale is None:
+    if p.in_scale is None:
         row_scale = jnp.ones((M, _ROWS, 1), jnp.float32)
     else:  # a row that picks an expert in two slots is scaled by their summed scales (as the models do)
-        real = (indices >= 0) & (indices < E)
-        hit = (slot_position[None] == jnp.arange(M)[:, None, None]) & real[None]  # [M, T, K]
-        row_scale = jnp.einsum("mtk,tk->mt", hit.astype(jnp.float32), in_scale.astype(jnp.float32))  # [M, T]
-        row_scale = jnp.pad(row_scale, ((0, 0), (0, _ROWS - T)))[..., None]  # [M, 8, 1]
-    x8 = jnp.pad(x, ((0, _ROWS - T), (0, 0)))  # [8, H]
+        row_scale = jnp.pad(union_row_scale(p, slot_position), ((0, 0), (0, _ROWS - T)))[..., None]  # [M, 8, 1]
+    x8 = jnp.pad(p.x, ((0, _ROWS - T), (0, 0)))  # [8, H]
     n = n_union.reshape(1)
-    gu_bias = () if gate_bias is None else (gate_bias[:, None], up_bias[:, None])  # [E, 1, I]
-    h = _gate_up(x8, row_scale, gate, up, gu_bias, union_ids, n, activation, bs, interpret)  # [M, 8, I]
-    d_bias = () if down_bias is None else (down_bias[:, None],)  # [E, 1, H]
+    gu_bias = () if p.gate_bias is None else (p.gate_bias[:, None], p.up_bias[:, None])  # [E, 1, I]
+    h = _gate_up(x8, row_scale, gate, p.up, gu_bias, union_ids, n, p.activation, bs, interpret)  # [M, 8, I]
+    d_bias = () if p.down_bias is None else (p.down_bias[:, None],)  # [E, 1, H]
     y = _down(h, down, d_bias, union_ids, n, bs, interpret)  # [M, 8, H]
     per_slot = y[slot_position, jnp.arange(T)[:, None]]  # [T, K, H]
-    return combine_slots(per_slot, indices, weights, E)
+    return combine_slots(per_slot, p.indices, p.weights, E)
 
 
-def moe_tpu_decode_reference(
-    x: Array,
-    gate: Array,
-    up: Array,
-    down: Array,
-    indices: Array,
-    weights: Array,
-    in_scale: Array | None = None,
-    *,
-    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
-    gate_bias: Array | None = None,
-    up_bias: Array | None = None,
-    down_bias: Array | None = None,
-    block_sizes: TpuDecodeBlockSizes | None = None,
-    device_kind: str | None = None,
-    interpret: bool = False,
-) -> Array:
-    """Plain-jnp `moe_tpu_decode`; `block_sizes`, `device_kind`, `interpret` exist for signature parity."""
-    del block_sizes, device_kind, interpret
-    biases = (gate_bias, up_bias, down_bias)
-    check_moe_inputs("moe_tpu_decode_reference", x, gate, up, down, indices, weights, in_scale, biases)
-    return dense_reference(
-        x,
-        gate,
-        up,
-        down,
-        indices,
-        weights,
-        in_scale,
-        activation=activation,
-        gate_bias=gate_bias,
-        up_bias=up_bias,
-        down_bias=down_bias,
-    )
+moe_tpu_decode_reference = moe_reference(moe_tpu_decode)

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import gmm
 
-from pallas_kernels.activations import GatedActivation
-from pallas_kernels.expert_tiles import check_moe_inputs, combine_slots, dense_reference, require_activation, round_up
+from pallas_kernels.expert_tiles import round_up
+from pallas_kernels.moe_op import MoEProblem, combine_slots, moe_op, moe_reference
 from pallas_kernels.tpu_decode import block_along, check_tpu_weights, interpret_params, vmem_limit
 
 Array = jax.Array
@@ -74,46 +74,25 @@ class TpuGroupedBlockSizes:
         return cls(tiles(hidden, inter), tiles(inter, hidden))
 
 
+@moe_op
 def moe_tpu_grouped(
-    x: Array,
-    gate: Array,
-    up: Array,
-    down: Array,
-    indices: Array,
-    weights: Array,
-    in_scale: Array | None = None,
+    p: MoEProblem,
     *,
-    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
-    gate_bias: Array | None = None,
-    up_bias: Array | None = None,
-    down_bias: Array | None = None,
     block_sizes: TpuGroupedBlockSizes | None = None,
     device_kind: str | None = None,
     interpret: bool = False,
 ) -> Array:
-    """Routed experts for any number of rows on Mosaic TPU (module docstring).
+    """Routed experts for any number of rows (`MoEProblem`) on Mosaic TPU, `[T, H]` float32 (module docstring).
 
-    Args:
-      x: `[T, H]` rows (cast to the weight dtype for the matmuls).
-      gate, up: `[E, H, I]`; down: `[E, I, H]`, bf16 or float32.
-      indices: `[T, K]` int expert ids; ids outside [0, E) contribute nothing.
-      weights: `[T, K]` output weight of each slot. in_scale: `[T, K]` input scale of each slot (each pair is
-        scaled on its own), or None.
-      activation: the gated activation. gate_bias, up_bias `[E, I]`, down_bias `[E, H]`: all or none.
-      block_sizes: `TpuGroupedBlockSizes`, default `TpuGroupedBlockSizes.default(T·K, H, I, dtype, device_kind)`.
-      device_kind: the TPU the program is compiled for (sizes the tiles; `pallas_kernels.platform` passes it).
-      interpret: run under Pallas's TPU interpreter (on CPU, for tests).
-
-    Returns:
-      `[T, H]` float32.
+    Weights bf16 or float32. in_scale: each pair is scaled on its own.
+    block_sizes: `TpuGroupedBlockSizes`, default `TpuGroupedBlockSizes.default(T·K, H, I, dtype, device_kind)`.
+    device_kind: the TPU the program is compiled for (sizes the tiles; `pallas_kernels.platform` passes it).
+    interpret: run under Pallas's TPU interpreter (on CPU, for tests).
     """
-    biases = (gate_bias, up_bias, down_bias)
-    check_moe_inputs("moe_tpu_grouped", x, gate, up, down, indices, weights, in_scale, biases)
-    require_activation("moe_tpu_grouped", activation)
-    check_tpu_weights("moe_tpu_grouped", gate)
-    T, H = x.shape
-    E, _, I = gate.shape
-    K = indices.shape[1]
+    check_tpu_weights("moe_tpu_grouped", p.gate)
+    T, H, E, I, K = p.dims
+    x, gate, up, down, indices, weights, in_scale = p.x, p.gate, p.up, p.down, p.indices, p.weights, p.in_scale
+    gate_bias, up_bias, down_bias = p.biases
     M = T * K
     dtype = gate.dtype
     bs = block_sizes or TpuGroupedBlockSizes.default(M, H, I, dtype, device_kind)
@@ -135,7 +114,7 @@ def moe_tpu_grouped(
     if gate_bias is not None:
         g = g + gate_bias.astype(jnp.float32)[sorted_expert]
         u = u + up_bias.astype(jnp.float32)[sorted_expert]
-    h = jnp.pad(activation(g, u).astype(dtype), ((0, rows_padded - M), (0, 0)))  # [R, I]
+    h = jnp.pad(p.activation(g, u).astype(dtype), ((0, rows_padded - M), (0, 0)))  # [R, I]
     y = gmm(h, down, group_sizes, tiling=bs.down, **run)[:M]  # [M, H]
     if down_bias is not None:
         y = y + down_bias.astype(jnp.float32)[sorted_expert]
@@ -145,38 +124,4 @@ def moe_tpu_grouped(
     return combine_slots(per_pair.reshape(T, K, H), indices, weights, E)
 
 
-def moe_tpu_grouped_reference(
-    x: Array,
-    gate: Array,
-    up: Array,
-    down: Array,
-    indices: Array,
-    weights: Array,
-    in_scale: Array | None = None,
-    *,
-    activation: GatedActivation = GatedActivation(),  # noqa: B008 (frozen: an immutable default)
-    gate_bias: Array | None = None,
-    up_bias: Array | None = None,
-    down_bias: Array | None = None,
-    block_sizes: TpuGroupedBlockSizes | None = None,
-    device_kind: str | None = None,
-    interpret: bool = False,
-) -> Array:
-    """Plain-jnp `moe_tpu_grouped` (dense over experts); `block_sizes`, `device_kind`, `interpret` exist for
-    signature parity."""
-    del block_sizes, device_kind, interpret
-    biases = (gate_bias, up_bias, down_bias)
-    check_moe_inputs("moe_tpu_grouped_reference", x, gate, up, down, indices, weights, in_scale, biases)
-    return dense_reference(
-        x,
-        gate,
-        up,
-        down,
-        indices,
-        weights,
-        in_scale,
-        activation=activation,
-        gate_bias=gate_bias,
-        up_bias=up_bias,
-        down_bias=down_bias,
-    )
+moe_tpu_grouped_reference = moe_reference(moe_tpu_grouped)
