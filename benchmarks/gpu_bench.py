@@ -6,266 +6,54 @@ and `jax.lax.ragged_dot`, next to a device-to-device copy and a large bf16 matmu
     python benchmarks/gpu_bench.py --dry-run              # the plan (layers, shapes, bytes) without running
     python benchmarks/gpu_bench.py --smoke                # tiny shapes; on CPU the kernels are interpreted
 
-Only the routed experts are timed (routing computed once, shared by every implementation; `reps` dependent calls
-in one program, so launch overhead is not counted): "pallas" is
-`moejax.kernel_plans` (decode kernel for T <= 8, grouped kernels above), "xla" the `moejax.plans` of the same
-split, "ragged_dot" a sort + `jax.lax.ragged_dot` implementation. GB/s counts the bytes of the union experts'
-weights (each distinct selected expert read once); TFLOP/s the useful flops, 2·3·H·I per (token, slot) pair.
+"pallas" is `moejax.kernel_plans` (decode kernel for T <= 8, grouped kernels above), "xla" the `moejax.plans` of
+the same split, "ragged_dot" a sort + `jax.lax.ragged_dot` implementation (the measurement: kernel_bench.py).
 Targets on an H200 (issue 4): decode >= 80% of the copy bandwidth; prefill >= 60% of the matmul rate and >= 2x
 ragged_dot.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "benchmarks"):  # this checkout and kernel_bench, also when run from anywhere
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import kernel_bench  # noqa: E402
+from kernel_bench import ceilings, check_kernels, print_table, run_layers, todo_layers, validation_rows  # noqa: E402
 
 import pallas_kernels  # noqa: E402
-from moejax import kernel_plans, plans  # noqa: E402
-from moejax.bench import MODEL_LAYERS, Layer  # noqa: E402
-from moejax.config import MoEConfig  # noqa: E402
-from moejax.experts import Slots, combine_slots, expert_activation, slots_from_routing  # noqa: E402
-from moejax.params import init_params  # noqa: E402
-from moejax.routing import route  # noqa: E402
-from pallas_kernels import GatedActivation  # noqa: E402
 
-Array = jax.Array
-REL_TOL = 2e-2  # bf16 weights: h is rounded to bf16 before the down projection, an ulp may differ
+__all__ = ["main", "validation_rows"]
 
 
-def layers(smoke: bool) -> list[Layer]:
-    if smoke:
-        tiny = MoEConfig.preset("qwen3_moe", hidden_size=72, num_experts=8, top_k=2, intermediate_size=40)
-        return [Layer("tiny-qwen3", tiny)]
-    return [Layer(name, cfg) for name, cfg in MODEL_LAYERS.items()]
-
-
-# -- implementations of the routed experts (same contract: float32 [T, H]) ----------------------------------------
-def ragged_dot_routed(experts, x, slots: Slots, act: GatedActivation) -> Array:
-    """Sort pairs by expert, `jax.lax.ragged_dot` for gate, up and down, unsort, weight (the baseline)."""
-    T, K = slots.indices.shape
-    E = experts.gate.shape[0]
-    dtype = experts.gate.dtype
-    ids = jnp.minimum(slots.indices.reshape(-1), E)
-    order = jnp.argsort(ids, stable=True)
-    group_sizes = jnp.bincount(ids, length=E + 1)[:E].astype(jnp.int32)
-    xs = x[order // K].astype(dtype)
-    if slots.in_scale is not None:
-        xs = (xs.astype(jnp.float32) * slots.in_scale.reshape(-1)[order][:, None]).astype(dtype)
-    g = jax.lax.ragged_dot(xs, experts.gate, group_sizes, preferred_element_type=jnp.float32)
-    u = jax.lax.ragged_dot(xs, experts.up, group_sizes, preferred_element_type=jnp.float32)
-    h = act(g, u).astype(dtype)
-    y = jax.lax.ragged_dot(h, experts.down, group_sizes, preferred_element_type=jnp.float32)
-    per_pair = jnp.zeros_like(y).at[order].set(y).reshape(T, K, -1)
-    return combine_slots(per_pair, slots.out_weight)
-
-
-def implementations(T: int, cfg: MoEConfig) -> dict:
-    decode = plans.decode_fits(T, cfg.top_k)
-    return {
-        "pallas": kernel_plans.pallas_decode if decode else kernel_plans.pallas_grouped,
-        "xla": plans.decode_plan if decode else plans.grouped_plan,
-        "ragged_dot": ragged_dot_routed,
-    }
-
-
-# -- measurement -----------------------------------------------------------------------------------------------------
-def timed(fn, *args, reps: int, batches: int = 3) -> float:
-    """Median seconds per call of a jitted `fn` (after a compile call), over `batches` batches of `reps` async
-    calls each (queued back to back, so launch overhead hides behind device time)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(batches):
-        start = time.perf_counter()
-        out = None
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / reps)
-    return statistics.median(times)
-
-
-def repeated(fn, cfg: MoEConfig, reps: int):
-    """`reps` dependent calls of the routed implementation `fn` in one jitted program: each call's input is the
-    previous input plus 0·output, so nothing is hoisted and Python dispatch is paid once, not per call."""
-    act = expert_activation(cfg)
-
-    def run(experts, x, slots):
-        def body(_, x):
-            y = fn(experts, x, slots, act)
-            return x + (y * 0).astype(x.dtype)  # float x·0 is not folded (NaN·0 is NaN)
-
-        return jax.lax.fori_loop(0, reps, body, x)
-
-    return jax.jit(run)
-
-
-def ceilings(smoke: bool) -> dict:
-    """Device-to-device copy bandwidth (read + write of a large bf16 array) and a large bf16 matmul rate."""
-    n_copy = 1 << 16 if smoke else 1 << 30  # elements: 2 GiB of bf16 on a GPU
-    n_mm = 256 if smoke else 8192
-    a = jnp.ones((n_copy,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a * 2)  # one read, one write: XLA cannot elide it
-    t_copy = timed(copy, a, reps=1 if smoke else 10)
-    m = jax.random.normal(jax.random.key(0), (n_mm, n_mm), jnp.bfloat16)
-    matmul = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    t_mm = timed(matmul, m, m, reps=1 if smoke else 10)
-    del a, m
-    return {
-        "copy_gb_s": 2 * n_copy * 2 / t_copy / 1e9,
-        "matmul_tflop_s": 2 * n_mm**3 / t_mm / 1e12,
-    }
-
-
-def make_layer(layer: Layer, key: Array):
-    # The stacked layout: what the kernels, the XLA plans and ragged_dot read.
-    return jax.jit(lambda k: init_params(layer.cfg, k, dtype=jnp.bfloat16, layout="stacked"))(key)
-
-
-def routed_inputs(params, cfg: MoEConfig, T: int, seed: int) -> tuple[Array, Slots]:
-    x = jax.random.normal(jax.random.key(seed), (T, cfg.hidden_size), jnp.bfloat16)
-    slots = jax.jit(lambda p, x: slots_from_routing(route(p, x, cfg), cfg))(params, x)
-    return x, slots
-
-
-def kernel_args(params, x, slots: Slots):
-    e = params.experts
-    return (x, e.gate, e.up, e.down, slots.indices, slots.out_weight, slots.in_scale)
-
-
-def check_kernels(params, cfg: MoEConfig, smoke: bool) -> list[dict]:
+def check_gpu_kernels(params, cfg, smoke: bool) -> list[dict]:
     """Each kernel against its reference (and the XLA plan) on the layer's real shapes, bf16. The kernels run
     compiled on a GPU and interpreted on a CPU (`interpret=None`: the platform decides)."""
-    act = expert_activation(cfg)
-    rows = []
-    for kernel, reference, T in (
-        (pallas_kernels.moe_decode, pallas_kernels.moe_decode_reference, 8 if not smoke else 3),
-        (pallas_kernels.moe_grouped, pallas_kernels.moe_grouped_reference, 512 if not smoke else 40),
-    ):
-        x, slots = routed_inputs(params, cfg, T, seed=1)
-        args = kernel_args(params, x, slots)
-        got = jax.jit(lambda *a, k=kernel: k(*a, activation=act))(*args)
-        want = jax.jit(lambda *a, r=reference: r(*a, activation=act))(*args)
-        xla = jax.jit(lambda e, x, s, T=T: implementations(T, cfg)["xla"](e, x, s, act))(params.experts, x, slots)
-        scale = float(jnp.max(jnp.abs(want)))
-        err = float(jnp.max(jnp.abs(got - want)))
-        rows.append(
-            {
-                "kernel": kernel.__name__,
-                "T": T,
-                "max_abs_error": err,
-                "max_rel_error": err / scale,
-                "max_rel_error_vs_xla": float(jnp.max(jnp.abs(got - xla))) / scale,
-                "finite": bool(jnp.all(jnp.isfinite(got))),
-                "passed": bool(jnp.all(jnp.isfinite(got))) and err <= REL_TOL * scale,
-            }
-        )
-    return rows
-
-
-def bench_layer(layer: Layer, params, decode_T, prefill_T, smoke: bool) -> list[dict]:
-    cfg = layer.cfg
-    H, I, K = cfg.hidden_size, cfg.intermediate_size, cfg.top_k
-    expert_bytes = 3 * H * I * 2  # bf16
-    rows = []
-    for T in (*decode_T, *prefill_T):
-        x, slots = routed_inputs(params, cfg, T, seed=T)
-        ids = np.asarray(slots.indices)
-        union = len(np.unique(ids[ids < cfg.num_experts]))
-        flops = 2 * 3 * H * I * T * K
-        for name, fn in implementations(T, cfg).items():
-            if name == "ragged_dot" and jax.default_backend() == "cpu" and not smoke:
-                continue  # ragged_dot densifies on CPU
-            reps = 1 if smoke else (20 if T <= 64 else 5)
-            try:
-                run = repeated(fn, cfg, reps)
-                t = timed(run, params.experts, x, slots, reps=1, batches=1 if smoke else 3) / reps
-            except Exception as err:  # report a failing implementation and go on with the table
-                rows.append({"layer": layer.name, "T": T, "impl": name, "error": f"{type(err).__name__}: {err}"[:500]})
-                continue
-            rows.append(
-                {
-                    "layer": layer.name,
-                    "T": T,
-                    "impl": name,
-                    "us": t * 1e6,
-                    "union": union,
-                    "gb_s": union * expert_bytes / t / 1e9,
-                    "tflop_s": flops / t / 1e12,
-                }
-            )
-    return rows
-
-
-def print_table(ceil: dict, checks: list[dict], rows: list[dict]) -> None:
-    print(f"ceilings: copy {ceil['copy_gb_s']:.0f} GB/s, bf16 matmul {ceil['matmul_tflop_s']:.1f} TFLOP/s")
-    for c in checks:
-        status = "ok" if c["passed"] else "FAILED"
-        print(f"check {c['layer']:>14} {c['kernel']:>12} T={c['T']:<5} rel err {c['max_rel_error']:.2e} {status}")
-    header = ("layer", 14), ("T", 6), ("impl", 11), ("us", 10), ("union", 6), ("GB/s", 8), ("%copy", 6)
-    print(" ".join(f"{name:>{width}}" for name, width in (*header, ("TFLOP/s", 8), ("%mm", 5))))
-    for r in rows:
-        if "error" in r:
-            print(f"{r['layer']:>14} {r['T']:>6} {r['impl']:>11}  {r['error'][:80]}")
-            continue
-        print(
-            f"{r['layer']:>14} {r['T']:>6} {r['impl']:>11} {r['us']:>10.1f} {r['union']:>6} {r['gb_s']:>8.0f} "
-            f"{100 * r['gb_s'] / ceil['copy_gb_s']:>5.0f}% {r['tflop_s']:>8.1f} "
-            f"{100 * r['tflop_s'] / ceil['matmul_tflop_s']:>4.0f}%"
-        )
-
-
-def validation_rows(checks: list[dict], device_kind: str) -> list[dict]:
-    """One row per kernel whose every check passed: what `pallas_kernels.is_validated` reads."""
-    out = []
-    for kernel in pallas_kernels.KERNELS:
-        mine = [c for c in checks if c["kernel"] == kernel]
-        if mine and all(c["passed"] for c in mine):
-            out.append(
-                {
-                    "kernel": kernel,
-                    "device_kind": device_kind,
-                    "jax_version": jax.__version__,
-                    "date": datetime.date.today().isoformat(),
-                    "max_abs_error": max(c["max_abs_error"] for c in mine),
-                    "max_rel_error": max(c["max_rel_error"] for c in mine),
-                    "checked": ", ".join(f"{c['layer']} T={c['T']}" for c in mine),
-                }
-            )
-    return out
+    pairs = (
+        (pallas_kernels.moe_decode, pallas_kernels.moe_decode_reference),
+        (pallas_kernels.moe_grouped, pallas_kernels.moe_grouped_reference),
+    )
+    return check_kernels(params, cfg, smoke, pairs, {}, compare_xla=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: kernels interpreted)")
+    parser = kernel_bench.parser(__doc__, "gpu_bench.json", "GPU")
     parser.add_argument("--dry-run", action="store_true", help="print the plan only")
-    parser.add_argument("--layers", nargs="*", help="layer names to run (default: all)")
-    parser.add_argument("--decode-T", type=int, nargs="*", default=None)
-    parser.add_argument("--prefill-T", type=int, nargs="*", default=None)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "gpu_bench.json")
-    parser.add_argument("--append-validated", action="store_true", help="record passing kernels (GPU only)")
     args = parser.parse_args(argv)
 
     decode_T = args.decode_T if args.decode_T is not None else ([2] if args.smoke else [1, 2, 4, 8, 16, 64])
     prefill_T = args.prefill_T if args.prefill_T is not None else ([40] if args.smoke else [512, 2048, 8192])
-    todo = [layer for layer in layers(args.smoke) if not args.layers or layer.name in args.layers]
     device = jax.devices()[0]
     print(f"jax {jax.__version__} on {device.platform} ({device.device_kind}); backend {jax.default_backend()}")
     if args.dry_run:
-        for layer in todo:
+        for layer in todo_layers(args):
             c = layer.cfg
             gb = c.num_experts * 3 * c.hidden_size * c.intermediate_size * 2 / 1e9
             print(
@@ -279,36 +67,9 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.time()
     ceil = ceilings(args.smoke)
-    checks, rows = [], []
-    for i, layer in enumerate(todo):
-        params = make_layer(layer, jax.random.key(i))
-        checks += [{"layer": layer.name, **c} for c in check_kernels(params, layer.cfg, args.smoke)]
-        rows += bench_layer(layer, params, decode_T, prefill_T, args.smoke)
-        del params
+    checks, rows = run_layers(args, decode_T, prefill_T, check_gpu_kernels, time_failed=True)
     print_table(ceil, checks, rows)
-    result = {
-        "jax_version": jax.__version__,
-        "device_kind": device.device_kind,
-        "backend": jax.default_backend(),
-        "smoke": args.smoke,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "seconds": time.time() - started,
-        "ceilings": ceil,
-        "checks": checks,
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out} ({result['seconds']:.0f} s)")
-    if args.append_validated:
-        if jax.default_backend() != "gpu" or args.smoke:
-            print("--append-validated records only full runs on a GPU", file=sys.stderr)
-            return 2
-        new = validation_rows(checks, device.device_kind)
-        path = pallas_kernels.VALIDATED_PATH
-        path.write_text(json.dumps([*json.loads(path.read_text()), *new], indent=1) + "\n")
-        print(f"appended {[r['kernel'] for r in new]} to {path}")
-    return 0 if all(c["passed"] for c in checks) else 1
+    return kernel_bench.finish(args, started, ceil, checks, rows, "gpu")
 
 
 if __name__ == "__main__":

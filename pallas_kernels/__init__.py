@@ -1,20 +1,16 @@
-"""GPU kernels for the MoE hot loops, each beside a plain-jnp reference with the same signature.
+"""Kernels for the MoE hot loops, each beside a plain-jnp reference with the same signature.
 
 * `moe_decode` (decode.py): union-of-experts decode, T <= 8 rows, every selected expert's weights read once.
 * `moe_grouped` (grouped.py): grouped prefill over pairs sorted by expert in block-aligned 64-row tiles.
 * `moe_tpu_decode` (tpu_decode.py), `moe_tpu_grouped` (tpu_grouped.py, on jax's megablox `gmm`): the same two ops
-  on Mosaic TPU (bf16/float32 weights), which `moe_decode` / `moe_grouped` lower to in programs built for TPU.
+  on Mosaic TPU, which `moe_decode` / `moe_grouped` lower to in programs built for TPU.
 
-Weights are dense arrays or `QuantizedWeight`s (quantized_weights.py: int8/int4 group-wise, FP8 128x128 blocks,
-MXFP4, NVFP4 codes and scales, dequantized in registers to bf16 before each wgmma); the codes are decoded by
-codecs.py, which moejax's formats import too.
-
-Both run on Mosaic GPU (Hopper) through the tile kernels of expert_tiles.py, take plain arrays and static
-parameters (the gated activation as one `GatedActivation`), and never import moejax. With `interpret=None` (the
-default) a kernel is compiled where the program is lowered for CUDA and interpreted where it is lowered for CPU
-(platform.py), so a CPU-only host can both test the kernels and lower or compile them for a GPU.
-`validated.json` lists the kernels that `benchmarks/gpu_bench.py` checked against their references on a real
-GPU; `is_validated` reads it (moejax's `impl="auto"` picks only those).
+The four share one signature, checks and reference (moe_op.py). The Mosaic GPU ops run the two tile kernels of
+expert_tiles.py (bodies: tile_kernels.py dense, quantized_tiles.py for `QuantizedWeight`s, quantized_weights.py,
+whose codes codecs.py decodes for moejax's formats too). With `interpret=None` (the default) a kernel is compiled
+where the program is lowered for CUDA and interpreted where it is lowered for CPU (platform.py). Nothing here
+imports moejax. `validated.json` lists the kernels that benchmarks/gpu_bench.py and tpu_bench.py checked against
+their references on a real device; `is_validated` reads it (moejax's `impl="auto"` picks only those).
 """
 
 from __future__ import annotations

@@ -28,17 +28,13 @@ rows (a tile per union expert). The shared expert and zero-expert terms are the 
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.expert_tiles import (
     TILE_ROWS,
-    TileBlockSizes,
     TilePairBlockSizes,
     pad_problem,
-    quantized_tile_options,
     tiles_ffn,
 )
 from pallas_kernels.moe_op import MoEProblem, combine_slots, compute_dtype, moe_op, moe_reference
@@ -52,20 +48,11 @@ _ROWS_OUT = 8  # rows of each union expert's output stored by the down kernel (>
 
 
 class DecodeBlockSizes(TilePairBlockSizes):
-    """Blocks of the two decode kernels (see `TileBlockSizes`)."""
+    """Blocks of the two decode kernels (see `TileBlockSizes`). Default: 64 intermediate columns per gate/up item
+    (at T=1 only 8 experts are live: narrow items keep more SMs streaming), 128 (or 64) hidden columns per down
+    item."""
 
-    @classmethod
-    def default(
-        cls, hidden: int, inter: int, dtype: Any, *, interpret: bool = False, weight_kind: str | None = None
-    ) -> DecodeBlockSizes:
-        """64 intermediate columns per gate/up item (at T=1 only 8 experts are live: narrow items keep more
-        SMs streaming), 128 (or 64) hidden columns per down item; `weight_kind` (a `QuantizedWeight.kind`, None for
-        dense weights): `quantized_tile_options`."""
-        opts = quantized_tile_options(weight_kind)
-        return cls(
-            gate_up=TileBlockSizes.default(inter, hidden, dtype, interpret=interpret, **{**opts, "block_n": 64}),
-            down=TileBlockSizes.default(hidden, inter, dtype, interpret=interpret, **opts),
-        )
+    GATE_UP_BLOCK_N = 64
 
 
 def union_of_experts(indices: Array, num_experts: int) -> tuple[Array, Array, Array]:
@@ -105,20 +92,17 @@ def union_row_scale(p: MoEProblem, slot_position: Array) -> Array:
 @interpret_by_platform
 @moe_op
 def moe_decode(p: MoEProblem, *, block_sizes: DecodeBlockSizes | None = None, interpret: bool | None = None) -> Array:
-    """Routed experts for decode rows (`MoEProblem`): T <= 8 rows and T·K <= 64 slots, `[T, H]` float32.
+    """Routed experts (`MoEProblem`) for T <= 8 rows and T·K <= 64 slots: `[T, H]` float32.
 
-    Weights bf16 (fast path), f16, f32 (TF32 on a GPU), or `QuantizedWeight`s (int8/int4/fp8_block/mxfp4/nvfp4:
-    the kernels read the codes and scales and dequantize each step's tile in registers to bf16).
-    block_sizes: `DecodeBlockSizes`, default `DecodeBlockSizes.default(H, I, dtype)`.
-    interpret: None: compiled where lowered for CUDA, under the Mosaic GPU interpreter where lowered for CPU
-      (`pallas_kernels.platform`); True/False force one.
+    Weights bf16 (the fast path), f16, float32 (TF32 on a GPU), or `QuantizedWeight`s of any kind (each step's
+    codes dequantized in registers to bf16). block_sizes: default `DecodeBlockSizes.for_problem`. interpret: None:
+    compiled where lowered for CUDA, interpreted where lowered for CPU (`pallas_kernels.platform`); True/False
+    force one.
     """
     check_decode_rows("moe_decode", p)
-    T, H, E, I, K = p.dims
+    T, H, E, _, K = p.dims
     dtype = compute_dtype(p.gate)  # bf16 for quantized weights
-    bs = block_sizes or DecodeBlockSizes.default(
-        H, I, dtype, interpret=interpret, weight_kind=getattr(p.gate, "kind", None)
-    )
+    bs = block_sizes or DecodeBlockSizes.for_problem(p, interpret)
     M = T * K
 
     union_ids, n_union, slot_position = union_of_experts(p.indices, E)

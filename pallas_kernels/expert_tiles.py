@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import quantized_tiles, tile_kernels
 from pallas_kernels.activations import GatedActivation
-from pallas_kernels.moe_op import FLOAT_DTYPES, MoEProblem, Weight, require_activation, signature_of
+from pallas_kernels.moe_op import FLOAT_DTYPES, MoEProblem, Weight, compute_dtype, require_activation, signature_of
 from pallas_kernels.platform import interpret_by_platform, interpret_params
 from pallas_kernels.quantized_weights import (
     COMPUTE_DTYPE,
@@ -101,15 +101,33 @@ class TileBlockSizes:
 
 @dataclasses.dataclass(frozen=True)
 class TilePairBlockSizes:
-    """Blocks of the two tile kernels of one op (see `TileBlockSizes`); subclasses give the op's default."""
+    """Blocks of the two tile kernels of one op (see `TileBlockSizes`)."""
 
     gate_up: TileBlockSizes
     down: TileBlockSizes
+    GATE_UP_BLOCK_N: ClassVar[int | None] = None  # the op's gate/up output columns (None: `largest_block`)
 
     def __post_init__(self) -> None:
         for name in ("gate_up", "down"):
             if not isinstance(getattr(self, name), TileBlockSizes):
                 raise ValueError(f"{type(self).__name__}.{name} must be a TileBlockSizes, got {getattr(self, name)!r}")
+
+    @classmethod
+    def default(cls, hidden: int, inter: int, dtype: Any, *, interpret: bool = False, weight_kind: str | None = None):
+        """128-byte contraction rows; `GATE_UP_BLOCK_N` or the largest of 128/64 columns dividing I (gate/up), and
+        H (down); `weight_kind` (a `QuantizedWeight.kind`, None for dense weights): `quantized_tile_options`."""
+        opts = quantized_tile_options(weight_kind)
+        gate_up_opts = {**opts, "block_n": cls.GATE_UP_BLOCK_N} if cls.GATE_UP_BLOCK_N else opts
+        return cls(
+            gate_up=TileBlockSizes.default(inter, hidden, dtype, interpret=interpret, **gate_up_opts),
+            down=TileBlockSizes.default(hidden, inter, dtype, interpret=interpret, **opts),
+        )
+
+    @classmethod
+    def for_problem(cls, p: MoEProblem, interpret: bool):
+        """`default` for the H, I, compute dtype and weight kind of `p`."""
+        _, H, _, I, _ = p.dims
+        return cls.default(H, I, compute_dtype(p.gate), interpret=interpret, weight_kind=getattr(p.gate, "kind", None))
 
 
 def quantized_tile_options(weight_kind: str | None) -> dict:

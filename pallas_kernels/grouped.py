@@ -23,17 +23,13 @@ kernels read codes and scales and dequantize each tile in registers to bf16 befo
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.expert_tiles import (
     TILE_ROWS,
-    TileBlockSizes,
     TilePairBlockSizes,
     pad_problem,
-    quantized_tile_options,
     tiles_ffn,
 )
 from pallas_kernels.moe_op import MoEProblem, combine_slots, compute_dtype, moe_op, moe_reference
@@ -43,19 +39,8 @@ Array = jax.Array
 
 
 class GroupedBlockSizes(TilePairBlockSizes):
-    """Blocks of the two grouped kernels (see `TileBlockSizes`); rows per tile are fixed at 64."""
-
-    @classmethod
-    def default(
-        cls, hidden: int, inter: int, dtype: Any, *, interpret: bool = False, weight_kind: str | None = None
-    ) -> GroupedBlockSizes:
-        """The largest of 128/64 columns dividing I (gate/up) and H (down); 128-byte contraction rows;
-        `weight_kind` (a `QuantizedWeight.kind`, None for dense weights): `quantized_tile_options`."""
-        opts = quantized_tile_options(weight_kind)
-        return cls(
-            gate_up=TileBlockSizes.default(inter, hidden, dtype, interpret=interpret, **opts),
-            down=TileBlockSizes.default(hidden, inter, dtype, interpret=interpret, **opts),
-        )
+    """Blocks of the two grouped kernels (see `TileBlockSizes`); rows per tile are fixed at 64. Default: the
+    largest of 128/64 columns dividing I (gate/up) and H (down)."""
 
 
 def max_tiles(num_pairs: int, num_experts: int) -> int:
@@ -98,19 +83,11 @@ def block_aligned_layout(indices: Array, num_experts: int) -> tuple[Array, Array
 @interpret_by_platform
 @moe_op
 def moe_grouped(p: MoEProblem, *, block_sizes: GroupedBlockSizes | None = None, interpret: bool | None = None) -> Array:
-    """Routed experts for any number of rows (`MoEProblem`), `[T, H]` float32.
-
-    Weights bf16 (fast path), f16, f32 (TF32 on a GPU), or `QuantizedWeight`s (int8/int4/fp8_block/mxfp4/nvfp4:
-    the kernels read the codes and scales and dequantize each step's tile in registers to bf16).
-    block_sizes: `GroupedBlockSizes`, default `GroupedBlockSizes.default(H, I, dtype)`.
-    interpret: None: compiled where lowered for CUDA, under the Mosaic GPU interpreter where lowered for CPU
-      (`pallas_kernels.platform`); True/False force one.
-    """
-    T, H, E, I, K = p.dims
+    """Routed experts (`MoEProblem`) for any number of rows: `[T, H]` float32. Weights and `interpret` as for
+    `moe_decode`; block_sizes: default `GroupedBlockSizes.for_problem`."""
+    T, H, E, _, K = p.dims
     dtype = compute_dtype(p.gate)  # bf16 for quantized weights
-    bs = block_sizes or GroupedBlockSizes.default(
-        H, I, dtype, interpret=interpret, weight_kind=getattr(p.gate, "kind", None)
-    )
+    bs = block_sizes or GroupedBlockSizes.for_problem(p, interpret)
     M = T * K
 
     pair_row, row_pair, tile_expert, num_tiles = block_aligned_layout(p.indices, E)

@@ -143,6 +143,8 @@ def moe_op(impl: Callable[..., Array]) -> Callable[..., Array]:
     `impl.__name__(x, gate, up, down, indices, weights, in_scale=None, *, activation, gate_bias, up_bias, down_bias,
     <options>)` (the fields of `MoEProblem`, checked, then the options of `impl`)."""
     own = list(inspect.signature(impl).parameters.values())[1:]
+    if any(p.kind is not inspect.Parameter.KEYWORD_ONLY for p in own):
+        raise TypeError(f"moe_op: {impl.__name__}'s options after the problem must be keyword-only")
     signature = inspect.Signature([*_PROBLEM_PARAMETERS, *own], return_annotation="Array")
     op = with_signature(signature, _problem_call(impl.__name__, impl), impl.__name__, impl.__doc__)
     op.__module__ = impl.__module__

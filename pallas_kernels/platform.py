@@ -1,46 +1,15 @@
 """`interpret=None`: run a kernel compiled or interpreted according to the platform it is *lowered* for.
 
-A Mosaic GPU kernel runs compiled on a GPU and, for tests, under the Mosaic GPU interpreter on a CPU. Which one
-must follow the platform the program is lowered for, not the host that traces it: on a CPU-only host,
-`jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))` (ahead-of-time compilation, `jax.export`) must give
-the compiled kernel, and a plain call the interpreter.
-
-How: the op is staged out as one primitive, `kernel_by_platform`, whose MLIR lowering rule is registered per
-platform. The "cuda" rule lowers `op(..., interpret=False)` (the `mosaic_gpu_v2` custom call); the "cpu" rule
-lowers `op(..., interpret=True)`. Each variant is traced only when its platform is lowered, so a GPU host never
-traces the interpreter (private API) and a CPU host never needs a GPU. Any other platform has no rule: lowering
-for it fails loudly.
-
-Why not `jax.lax.platform_dependent(cpu=interpreted, cuda=compiled)`: the interpreter runs the kernel through
-*ordered* host callbacks (`io_callback(ordered=True)`, hard-coded in jax 0.10; they serialize the simulated
-threads), so the CPU branch carries an ordered effect the CUDA branch lacks; the `cond` that `platform_dependent`
-stages out takes the effect of both branches, but lowering for CUDA keeps only the CUDA branch and fails ("Lowering
-rule for `cond` returns incorrect set of output tokens"). Giving the CUDA program an ordered effect instead would
-thread a runtime token through every GPU program (and JAX refuses ordered effects on more than one device).
-
-So the primitive declares no effect, and the CPU rule runs the interpreter's token chain from a fresh token
-inside the kernel's own lowering: the interpreter's callbacks stay in order within the kernel, while two
-interpreted kernels are ordered by their data dependencies only (as compiled kernels are). The interpreter
-simulates one GPU per process, and XLA:CPU runs independent operations of a program concurrently, so two
-interpreted kernels with no data dependency between them in one program would corrupt each other: a lock taken
-by a first and released by a last ordered callback turns that into an error (it cannot wait for the lock: a
-waiting callback holds an XLA:CPU worker thread the running kernel needs, which deadlocks). Such programs can pass
-`interpret=True`, whose ordered effect serializes the kernels (CPU only). Separate programs run one after another.
-A failed interpretation (an error in a kernel, or that overlap) leaves the simulated GPU and the lock behind: call
-`reset_interpreter()` before interpreting again (the interpreter itself needs it after any error).
-
-A "tpu" rule lowers the op's TPU variant where one is registered (`register_tpu_variant(op, tpu_op)`: a Mosaic
-TPU kernel with the same arguments and output, called with `interpret=False` and the `device_kind` of the
-program's TPU; the GPU op's `block_sizes` are not passed to it), so the same call runs the Mosaic GPU kernel in a
-program built for CUDA and the Mosaic TPU kernel in one built for TPU (a compile-only TPU topology on a CPU host
-included).
-
-`choose_at_lowering` is the same idea for a choice between whole implementations (moejax's `impl="auto"`): each
-is traced, and the lowering rule picks one from the lowering platform and the device kinds of the devices the
-program is compiled for (`LoweringRuleContext.module_context`: its platforms and axis context), never from the
-host's default backend.
-
-Only inference: the primitives have no JVP or batching rule.
+A Mosaic GPU kernel runs compiled on a GPU and, for tests, under the Mosaic GPU interpreter on a CPU; which one
+follows the platform the program is lowered for, not the host that traces it (a CPU-only host can lower for
+CUDA: ahead-of-time compilation, `jax.export`). The op is staged out as one primitive, `kernel_by_platform`,
+with a lowering rule per platform: "cuda" lowers `op(..., interpret=False)`, "cpu" `op(..., interpret=True)`
+under a lock (the interpreter simulates one GPU per process: two interpreted kernels with no data dependency in
+one CPU program are an error; `interpret=True` orders them), "tpu" the op's registered Mosaic TPU variant
+(`register_tpu_variant`). `choose_at_lowering` is the same idea for a choice between whole implementations
+(moejax's `impl="auto"`), made from the lowering platform and the device kinds of the program's devices.
+After a failed interpretation call `reset_interpreter()`. Only inference: no JVP or batching rule for the kernels.
+(Why a primitive and not `jax.lax.platform_dependent`: docs/DESIGN.md.)
 """
 
 from __future__ import annotations

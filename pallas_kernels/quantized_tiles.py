@@ -21,7 +21,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.quantized_weights import COMPUTE_DTYPE, QuantizedWeight, dequantize_tile, split_even_odd, tile_plan
-from pallas_kernels.tile_kernels import TILE_ROWS, WorkItem, down_epilogue, for_each_work_item, gate_up_epilogue
+from pallas_kernels.tile_kernels import (
+    TILE_ROWS,
+    WorkItem,
+    accumulate_tiles,
+    down_epilogue,
+    for_each_work_item,
+    gate_up_epilogue,
+    row_spec,
+)
 
 Array = jax.Array
 
@@ -93,7 +101,7 @@ def _x_specs(bs, halves: int, row_block) -> list:
     """Activation tiles of one step: `[64, block_k]`, or for 4-bit weights its [even | odd] halves (the caller
     reordered each block's columns, `split_even_odd`)."""
     if halves == 1:
-        return [plgpu.BlockSpec((TILE_ROWS, bs.block_k), lambda k: (row_block, k), delay_release=1)]
+        return [row_spec(bs, row_block)]
     half = bs.block_k // 2
     return [
         plgpu.BlockSpec((TILE_ROWS, half), lambda k, i=i: (row_block, 2 * k + i), delay_release=1) for i in range(2)
@@ -141,39 +149,25 @@ def _quantized_step(ops, op_refs, accs, bufs, expert, col, bs, halves: int):
     return step
 
 
-def _gate_up_kernel(
-    tile_expert_ref,  # [N_tiles] int32 GMEM
-    tile_block_ref,  # [N_tiles] int32 GMEM
-    num_tiles_ref,  # [1] int32 GMEM
-    x_ref,  # [R, H] bf16 GMEM (4-bit: columns of each block in [even | odd] order)
-    *refs,  # gate's refs, up's refs (_QuantOperand), [gate_bias_ref, up_bias_ref,] h_ref ([N_tiles * 64, I] out)
-    block_sizes,
-    op: _QuantOperand,
-    act: GatedActivation,
-):
+def _gate_up_kernel(tile_expert_ref, tile_block_ref, num_tiles_ref, x_ref, *refs, bs, op: _QuantOperand, act):
     """`tile_kernels.gate_up_kernel` over quantized gate/up: the same work items and epilogue, the weights
-    dequantized in registers into bf16 shared-memory tiles that the wgmma reads (`_quantized_step`)."""
+    dequantized in registers into bf16 shared-memory tiles that the wgmma reads (`_quantized_step`).
+
+    refs: gate's refs, up's refs (`_QuantOperand`), `[gate_bias, up_bias,] h` (out); x `[R, H]` bf16 (4-bit
+    kinds: the columns of each block in [even | odd] order).
+    """
     gate_refs, up_refs = refs[: op.num_refs], refs[op.num_refs : 2 * op.num_refs]
     *bias_refs, h_ref = refs[2 * op.num_refs :]
-    bs = block_sizes
-    hidden = x_ref.shape[1]
 
     def work_item(item: WorkItem) -> None:
         def with_tiles(*flat_bufs):  # the bf16 tiles (shared memory), then the accumulators (registers)
             bufs = [flat_bufs[: op.halves], flat_bufs[op.halves :]]
-
-            def accumulate(acc_gate, acc_up):
-                accs = [acc_gate, acc_up]
-                step = _quantized_step([op, op], [gate_refs, up_refs], accs, bufs, item.expert, item.col, bs, op.halves)
-                plgpu.emit_pipeline(
-                    step,
-                    grid=(hidden // bs.block_k,),
-                    in_specs=_x_specs(bs, op.halves, item.row_block) + op.in_specs(bs, item.col) * 2,
-                    max_concurrent_steps=bs.max_concurrent_steps,
-                )(*[x_ref] * op.halves, *op.pipelined(gate_refs, item.expert), *op.pipelined(up_refs, item.expert))
-                return acc_gate[...], acc_up[...]
-
-            return pl.run_scoped(accumulate, plgpu.ACC((TILE_ROWS, bs.block_n)), plgpu.ACC((TILE_ROWS, bs.block_n)))
+            step_of = lambda *accs: _quantized_step(
+                [op, op], [gate_refs, up_refs], list(accs), bufs, item.expert, item.col, bs, op.halves
+            )
+            in_specs = _x_specs(bs, op.halves, item.row_block) + op.in_specs(bs, item.col) * 2
+            refs = [x_ref] * op.halves + op.pipelined(gate_refs, item.expert) + op.pipelined(up_refs, item.expert)
+            return accumulate_tiles(bs, 2, x_ref.shape[1] // bs.block_k, in_specs, refs, step_of)
 
         buf = plgpu.SMEM((bs.block_k // op.halves, bs.block_n), COMPUTE_DTYPE)
         gate, up = pl.run_scoped(with_tiles, *[buf] * (2 * op.halves))
@@ -182,34 +176,24 @@ def _gate_up_kernel(
     for_each_work_item(tile_expert_ref, tile_block_ref, num_tiles_ref, h_ref, bs.block_n, work_item)
 
 
-def _down_kernel(
-    tile_expert_ref,  # [N_tiles] int32 GMEM
-    num_tiles_ref,  # [1] int32 GMEM
-    h_ref,  # [N_tiles * 64, I] bf16 GMEM (4-bit: columns of each block in [even | odd] order)
-    *refs,  # down's refs (_QuantOperand), [down_bias_ref,] y_ref ([N_tiles * rows_out, H] float32 out)
-    block_sizes,
-    op: _QuantOperand,
-    rows_out: int,
-):
-    """`tile_kernels.down_kernel` over a quantized down projection (`_quantized_step`)."""
+def _down_kernel(tile_expert_ref, num_tiles_ref, h_ref, *refs, bs, op: _QuantOperand, rows_out: int):
+    """`tile_kernels.down_kernel` over a quantized down projection (`_quantized_step`).
+
+    refs: down's refs (`_QuantOperand`), `[down_bias,] y` (out); h `[N_tiles·64, I]` bf16 (4-bit kinds: the
+    columns of each block in [even | odd] order).
+    """
     down_refs = refs[: op.num_refs]
     *bias_refs, y_ref = refs[op.num_refs :]
-    bs = block_sizes
-    inter = h_ref.shape[1]
 
     def work_item(item: WorkItem) -> None:
         def with_tiles(*bufs):
-            def accumulate(acc):
-                step = _quantized_step([op], [down_refs], [acc], [bufs], item.expert, item.col, bs, op.halves)
-                plgpu.emit_pipeline(
-                    step,
-                    grid=(inter // bs.block_k,),
-                    in_specs=_x_specs(bs, op.halves, item.tile) + op.in_specs(bs, item.col),
-                    max_concurrent_steps=bs.max_concurrent_steps,
-                )(*[h_ref] * op.halves, *op.pipelined(down_refs, item.expert))
-                return acc[...]
-
-            return pl.run_scoped(accumulate, plgpu.ACC((TILE_ROWS, bs.block_n)))
+            step_of = lambda acc: _quantized_step(
+                [op], [down_refs], [acc], [bufs], item.expert, item.col, bs, op.halves
+            )
+            in_specs = _x_specs(bs, op.halves, item.tile) + op.in_specs(bs, item.col)
+            refs = [h_ref] * op.halves + op.pipelined(down_refs, item.expert)
+            (y,) = accumulate_tiles(bs, 1, h_ref.shape[1] // bs.block_k, in_specs, refs, step_of)
+            return y
 
         buf = plgpu.SMEM((bs.block_k // op.halves, bs.block_n), COMPUTE_DTYPE)
         y = pl.run_scoped(with_tiles, *[buf] * op.halves)
@@ -223,7 +207,7 @@ def gate_up_body(x: Array, gate: QuantizedWeight, up: QuantizedWeight, bs, act: 
     op = _QuantOperand.of(gate, bs)
     if op.halves == 2:
         x = split_even_odd(x, bs.block_k)
-    body = functools.partial(_gate_up_kernel, block_sizes=bs, op=op, act=act)
+    body = functools.partial(_gate_up_kernel, bs=bs, op=op, act=act)
     return body, (x, *op.arrays(gate), *op.arrays(up))
 
 
@@ -232,4 +216,4 @@ def down_body(h: Array, down: QuantizedWeight, bs, rows_out: int):
     op = _QuantOperand.of(down, bs)
     if op.halves == 2:
         h = split_even_odd(h, bs.block_k)
-    return functools.partial(_down_kernel, block_sizes=bs, op=op, rows_out=rows_out), (h, *op.arrays(down))
+    return functools.partial(_down_kernel, bs=bs, op=op, rows_out=rows_out), (h, *op.arrays(down))

@@ -102,32 +102,43 @@ def down_epilogue(y, bias_refs, y_ref, item: WorkItem, block_n: int, rows_out: i
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def accumulate_tiles(bs, n_acc: int, steps: int, in_specs: list, refs: list, step_of) -> tuple[Array, ...]:
+    """The float32 values of `n_acc` wgmma accumulators `[64, block_n]` after a TMA pipeline of `steps` contraction
+    steps over `refs` (`in_specs`), whose body is `step_of(*accumulators)`; `max_concurrent_steps` stages ahead."""
+
+    def scoped(*accs):
+        pipeline = plgpu.emit_pipeline(
+            step_of(*accs), grid=(steps,), in_specs=in_specs, max_concurrent_steps=bs.max_concurrent_steps
+        )
+        pipeline(*refs)
+        return tuple(acc[...] for acc in accs)
+
+    return pl.run_scoped(scoped, *[plgpu.ACC((TILE_ROWS, bs.block_n)) for _ in range(n_acc)])
+
+
+def row_spec(bs, row_block) -> plgpu.BlockSpec:
+    """The activation tile `[64, block_k]` of contraction step k, rows `[64·row_block, +64)`."""
+    return plgpu.BlockSpec((TILE_ROWS, bs.block_k), lambda k: (row_block, k), delay_release=1)
+
+
 def _weight_spec(bs, transposed: bool, col) -> plgpu.BlockSpec:
-    """A weight tile `[block_k, block_n]` of the contraction step k (`[block_n, block_k]` when transposed)."""
+    """A weight tile `[block_k, block_n]` of contraction step k (`[block_n, block_k]` when transposed)."""
     if transposed:
         return plgpu.BlockSpec((bs.block_n, bs.block_k), lambda k: (col, k), delay_release=1)
     return plgpu.BlockSpec((bs.block_k, bs.block_n), lambda k: (k, col), delay_release=1)
 
 
-def gate_up_kernel(
-    tile_expert_ref,  # [N_tiles] int32 GMEM: expert of each tile
-    tile_block_ref,  # [N_tiles] int32 GMEM: row block of x each tile reads
-    num_tiles_ref,  # [1] int32 GMEM: tiles in use (a device value)
-    x_ref,  # [R, H] GMEM
-    gate_ref,  # [E, H, I] GMEM ([E, I, H] when transposed)
-    up_ref,  # like gate_ref
-    *refs,  # [gate_bias_ref, up_bias_ref ([E, I] float32 GMEM),] h_ref ([N_tiles * 64, I] GMEM out)
-    block_sizes,
-    transposed: bool,
-    act: GatedActivation,
-):
-    """`h[tile] = act(x[tile_block[tile]] @ gate[e], x[...] @ up[e])`, e = `tile_expert[tile]`."""
+def gate_up_kernel(tile_expert_ref, tile_block_ref, num_tiles_ref, x_ref, gate_ref, up_ref, *refs, bs, transposed, act):
+    """`h[tile] = act(x[tile_block[tile]] @ gate[e], x[...] @ up[e])`, e = `tile_expert[tile]`.
+
+    GMEM refs: tile_expert, tile_block `[N_tiles]` int32 (each tile's expert and row block of x), num_tiles `[1]`
+    int32 (tiles in use, a device value), x `[R, H]`, gate and up `[E, H, I]` (`[E, I, H]` when transposed), then
+    `[gate_bias, up_bias ([E, I] float32),] h ([N_tiles·64, I], out)`.
+    """
     *bias_refs, h_ref = refs
-    bs = block_sizes
-    hidden = x_ref.shape[1]
 
     def work_item(item: WorkItem) -> None:
-        def accumulate(acc_gate, acc_up):
+        def step_of(acc_gate, acc_up):
             def step(_, x_smem, gate_smem, up_smem):
                 # Both wgmmas read the same x stage; they run asynchronously, delay_release=1 keeps each stage
                 # alive one step longer so that no wait is needed here.
@@ -137,56 +148,35 @@ def gate_up_kernel(
                 plgpu.wgmma(acc_gate, x_smem, gate_smem)
                 plgpu.wgmma(acc_up, x_smem, up_smem)
 
-            plgpu.emit_pipeline(
-                step,
-                grid=(hidden // bs.block_k,),
-                in_specs=[
-                    plgpu.BlockSpec((TILE_ROWS, bs.block_k), lambda k: (item.row_block, k), delay_release=1),
-                    _weight_spec(bs, transposed, item.col),
-                    _weight_spec(bs, transposed, item.col),
-                ],
-                max_concurrent_steps=bs.max_concurrent_steps,
-            )(x_ref, gate_ref.at[item.expert], up_ref.at[item.expert])
-            return acc_gate[...], acc_up[...]
+            return step
 
-        gate, up = pl.run_scoped(accumulate, plgpu.ACC((TILE_ROWS, bs.block_n)), plgpu.ACC((TILE_ROWS, bs.block_n)))
+        w_spec = _weight_spec(bs, transposed, item.col)
+        in_specs = [row_spec(bs, item.row_block), w_spec, w_spec]
+        refs = [x_ref, gate_ref.at[item.expert], up_ref.at[item.expert]]
+        gate, up = accumulate_tiles(bs, 2, x_ref.shape[1] // bs.block_k, in_specs, refs, step_of)
         gate_up_epilogue(gate, up, bias_refs, h_ref, item, bs.block_n, act)
 
     for_each_work_item(tile_expert_ref, tile_block_ref, num_tiles_ref, h_ref, bs.block_n, work_item)
 
 
-def down_kernel(
-    tile_expert_ref,  # [N_tiles] int32 GMEM
-    num_tiles_ref,  # [1] int32 GMEM
-    h_ref,  # [N_tiles * 64, I] GMEM
-    down_ref,  # [E, I, H] GMEM ([E, H, I] when transposed)
-    *refs,  # [down_bias_ref ([E, H] float32 GMEM),] y_ref ([N_tiles * rows_out, H] float32 GMEM out)
-    block_sizes,
-    transposed: bool,
-    rows_out: int,
-):
-    """`y[tile] = h[tile] @ down[e]`, float32, of which the first `rows_out` rows are stored."""
+def down_kernel(tile_expert_ref, num_tiles_ref, h_ref, down_ref, *refs, bs, transposed: bool, rows_out: int):
+    """`y[tile] = h[tile] @ down[e]`, float32, of which the first `rows_out` rows are stored.
+
+    GMEM refs: tile_expert `[N_tiles]` and num_tiles `[1]` int32, h `[N_tiles·64, I]`, down `[E, I, H]` (`[E, H,
+    I]` when transposed), then `[down_bias ([E, H] float32),] y ([N_tiles·rows_out, H] float32, out)`.
+    """
     *bias_refs, y_ref = refs
-    bs = block_sizes
-    inter = h_ref.shape[1]
 
     def work_item(item: WorkItem) -> None:
-        def accumulate(acc):
+        def step_of(acc):
             def step(_, h_smem, down_smem):
                 plgpu.wgmma(acc, h_smem, plgpu.transpose_ref(down_smem, (1, 0)) if transposed else down_smem)
 
-            plgpu.emit_pipeline(
-                step,
-                grid=(inter // bs.block_k,),
-                in_specs=[
-                    plgpu.BlockSpec((TILE_ROWS, bs.block_k), lambda k: (item.tile, k), delay_release=1),
-                    _weight_spec(bs, transposed, item.col),
-                ],
-                max_concurrent_steps=bs.max_concurrent_steps,
-            )(h_ref, down_ref.at[item.expert])
-            return acc[...]
+            return step
 
-        y = pl.run_scoped(accumulate, plgpu.ACC((TILE_ROWS, bs.block_n)))
+        in_specs = [row_spec(bs, item.tile), _weight_spec(bs, transposed, item.col)]
+        refs = [h_ref, down_ref.at[item.expert]]
+        (y,) = accumulate_tiles(bs, 1, h_ref.shape[1] // bs.block_k, in_specs, refs, step_of)
         down_epilogue(y, bias_refs, y_ref, item, bs.block_n, rows_out)
 
     for_each_work_item(tile_expert_ref, None, num_tiles_ref, y_ref, bs.block_n, work_item)
@@ -198,7 +188,7 @@ def gate_up_body(x: Array, gate: Array, up: Array, bs, act: GatedActivation, int
     transposed = x.dtype == jnp.float32 and not interpret
     if transposed:
         gate, up = jnp.swapaxes(gate, 1, 2), jnp.swapaxes(up, 1, 2)
-    return functools.partial(gate_up_kernel, block_sizes=bs, transposed=transposed, act=act), (x, gate, up)
+    return functools.partial(gate_up_kernel, bs=bs, transposed=transposed, act=act), (x, gate, up)
 
 
 def down_body(h: Array, down: Array, bs, rows_out: int, interpret: bool):
@@ -206,4 +196,4 @@ def down_body(h: Array, down: Array, bs, rows_out: int, interpret: bool):
     transposed = h.dtype == jnp.float32 and not interpret
     if transposed:
         down = jnp.swapaxes(down, 1, 2)
-    return functools.partial(down_kernel, block_sizes=bs, transposed=transposed, rows_out=rows_out), (h, down)
+    return functools.partial(down_kernel, bs=bs, transposed=transposed, rows_out=rows_out), (h, down)

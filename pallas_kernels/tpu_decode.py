@@ -250,61 +250,10 @@ def _weight_parts(w) -> tuple[Array, ...]:
     return (w,)
 
 
-def _weight_specs(w, block_k: int, block_n: int, index_map) -> list:
-    """BlockSpecs of `_weight_parts(w)`: `[block_k, block_n]` tiles; int8 scales (and zeros) `[block_k / group,
-    block_n]` at the same block index."""
-    specs = [pl.BlockSpec((None, block_k, block_n), index_map)]
-    if isinstance(w, QuantizedWeight):
-        scale = pl.BlockSpec((None, block_k // w.group, block_n), index_map)
-        specs += [scale] * (len(_weight_parts(w)) - 1)
-    return specs
-
-
-def _gate_up(x, scale, gate, up, biases, union_ids, n_union, act, bs, interpret):
-    M, (_, H, I) = union_ids.shape[0], gate.shape
-    n_k, n_i = pl.cdiv(H, bs.block_h), pl.cdiv(I, bs.block_i)
-
-    def w_map(i, u, k, union_ref, n_ref):
-        e, kk = _weight_index(u, k, n_k, union_ref, n_ref)
-        return e, kk, i
-
-    def bias_map(i, u, k, union_ref, n_ref):
-        return _weight_index(u, k, n_k, union_ref, n_ref)[0], 0, i
-
-    weight_specs = _weight_specs(gate, bs.block_h, bs.block_i, w_map)
-    bias_specs = [pl.BlockSpec((None, 1, bs.block_i), bias_map)] * 2 if biases else []
-    parts = len(weight_specs)
-    group = getattr(gate, "group", 0)
-    kernel = functools.partial(
-        _gate_up_kernel, act=act, n_k=n_k, rem=H % bs.block_h, bias=bool(biases), parts=parts, group=group
-    )
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((M, _ROWS, I), compute_dtype(gate)),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(n_i, M, n_k),
-            in_specs=[
-                pl.BlockSpec((_ROWS, bs.block_h), lambda i, u, k, *_: (0, k)),
-                pl.BlockSpec((None, _ROWS, 1), lambda i, u, k, *_: (u, 0, 0)),
-                *weight_specs,
-                *weight_specs,
-                *bias_specs,
-            ],
-            out_specs=pl.BlockSpec((None, _ROWS, bs.block_i), lambda i, u, k, *_: (u, 0, i)),
-            scratch_shapes=[pltpu.VMEM((_ROWS, bs.block_i), jnp.float32)] * 2,
-        ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary", "arbitrary"), vmem_limit_bytes=bs.vmem_limit_bytes
-        ),
-        interpret=interpret_params(interpret),
-        name="moe_tpu_decode_gate_up",
-    )(union_ids, n_union, x, scale, *_weight_parts(gate), *_weight_parts(up), *biases)
-
-
-def _down(h, down, bias, union_ids, n_union, bs, interpret):
-    M, (_, I, H) = union_ids.shape[0], down.shape
-    n_k, n_h = pl.cdiv(I, bs.block_i_down), pl.cdiv(H, bs.block_h_down)
+def _weight_specs(w, block_k: int, block_n: int, n_k: int, n_bias: int) -> tuple[list, list]:
+    """BlockSpecs of `_weight_parts(w)` at grid step (j, u, k): the `[block_k, block_n]` tile (k, j) of union
+    expert u (`_weight_index`), int8 scales (and zeros) `[block_k / group, block_n]` at the same block index; and
+    of `n_bias` bias rows `[1, block_n]` (column block j)."""
 
     def w_map(j, u, k, union_ref, n_ref):
         e, kk = _weight_index(u, k, n_k, union_ref, n_ref)
@@ -313,36 +262,70 @@ def _down(h, down, bias, union_ids, n_union, bs, interpret):
     def bias_map(j, u, k, union_ref, n_ref):
         return _weight_index(u, k, n_k, union_ref, n_ref)[0], 0, j
 
-    bias_specs = [pl.BlockSpec((None, 1, bs.block_h_down), bias_map)] if bias else []
-    weight_specs = _weight_specs(down, bs.block_i_down, bs.block_h_down, w_map)
-    kernel = functools.partial(
-        _down_kernel,
-        n_k=n_k,
-        rem=I % bs.block_i_down,
-        bias=bool(bias),
-        parts=len(weight_specs),
-        group=getattr(down, "group", 0),
-    )
+    specs = [pl.BlockSpec((None, block_k, block_n), w_map)]
+    if isinstance(w, QuantizedWeight):
+        scale = pl.BlockSpec((None, block_k // w.group, block_n), w_map)
+        specs += [scale] * (len(_weight_parts(w)) - 1)
+    return specs, [pl.BlockSpec((None, 1, block_n), bias_map)] * n_bias
+
+
+def _union_call(kernel, out_shape, grid, in_specs: list, block_n: int, n_acc: int, bs, interpret: bool, name: str):
+    """`pallas_call` over the grid `(column blocks, M union slots, contraction blocks)` (the union ids and their
+    count prefetched as scalars): out `[M, 8, N]` in `[8, block_n]` blocks, `n_acc` float32 accumulators."""
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((M, _ROWS, H), jnp.float32),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(n_h, M, n_k),
-            in_specs=[
-                pl.BlockSpec((None, _ROWS, bs.block_i_down), lambda j, u, k, *_: (u, 0, k)),
-                *weight_specs,
-                *bias_specs,
-            ],
-            out_specs=pl.BlockSpec((None, _ROWS, bs.block_h_down), lambda j, u, k, *_: (u, 0, j)),
-            scratch_shapes=[pltpu.VMEM((_ROWS, bs.block_h_down), jnp.float32)],
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, _ROWS, block_n), lambda j, u, k, *_: (u, 0, j)),
+            scratch_shapes=[pltpu.VMEM((_ROWS, block_n), jnp.float32)] * n_acc,
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"), vmem_limit_bytes=bs.vmem_limit_bytes
         ),
         interpret=interpret_params(interpret),
-        name="moe_tpu_decode_down",
-    )(union_ids, n_union, h, *_weight_parts(down), *bias)
+        name=name,
+    )
+
+
+def _gate_up(x, scale, gate, up, biases, union_ids, n_union, act, bs, interpret):
+    M, (_, H, I) = union_ids.shape[0], gate.shape
+    n_k, n_i = pl.cdiv(H, bs.block_h), pl.cdiv(I, bs.block_i)
+    weight_specs, bias_specs = _weight_specs(gate, bs.block_h, bs.block_i, n_k, len(biases))
+    group = getattr(gate, "group", 0)
+    kernel = functools.partial(
+        _gate_up_kernel, act=act, n_k=n_k, rem=H % bs.block_h, bias=bool(biases), parts=len(weight_specs), group=group
+    )
+    in_specs = [
+        pl.BlockSpec((_ROWS, bs.block_h), lambda i, u, k, *_: (0, k)),
+        pl.BlockSpec((None, _ROWS, 1), lambda i, u, k, *_: (u, 0, 0)),
+        *weight_specs,
+        *weight_specs,
+        *bias_specs,
+    ]
+    out_shape = jax.ShapeDtypeStruct((M, _ROWS, I), compute_dtype(gate))
+    call = _union_call(
+        kernel, out_shape, (n_i, M, n_k), in_specs, bs.block_i, 2, bs, interpret, "moe_tpu_decode_gate_up"
+    )
+    return call(union_ids, n_union, x, scale, *_weight_parts(gate), *_weight_parts(up), *biases)
+
+
+def _down(h, down, bias, union_ids, n_union, bs, interpret):
+    M, (_, I, H) = union_ids.shape[0], down.shape
+    n_k, n_h = pl.cdiv(I, bs.block_i_down), pl.cdiv(H, bs.block_h_down)
+    weight_specs, bias_specs = _weight_specs(down, bs.block_i_down, bs.block_h_down, n_k, len(bias))
+    group = getattr(down, "group", 0)
+    kernel = functools.partial(
+        _down_kernel, n_k=n_k, rem=I % bs.block_i_down, bias=bool(bias), parts=len(weight_specs), group=group
+    )
+    in_specs = [pl.BlockSpec((None, _ROWS, bs.block_i_down), lambda j, u, k, *_: (u, 0, k)), *weight_specs, *bias_specs]
+    out_shape = jax.ShapeDtypeStruct((M, _ROWS, H), jnp.float32)
+    call = _union_call(
+        kernel, out_shape, (n_h, M, n_k), in_specs, bs.block_h_down, 1, bs, interpret, "moe_tpu_decode_down"
+    )
+    return call(union_ids, n_union, h, *_weight_parts(down), *bias)
 
 
 @moe_op
