@@ -1,12 +1,8 @@
 """Fused union-of-experts decode on Mosaic GPU: T <= 8 rows, T·K <= 64 slots, each selected expert read once.
 
-Lowering: **Mosaic GPU** (Hopper: TMA pipeline into shared memory, wgmma with float32 accumulators), through
-the two tile kernels of `pallas_kernels.expert_tiles`, shared with the grouped prefill op; this module builds
-the decode tile table and the combine, so it has no kernel body of its own (STYLE.md's module order otherwise:
-block sizes, then the op, then its reference).
-
-Decode is bound by weight bytes: every union expert's gate/up/down must cross HBM once, and nothing else of
-that size may. The steps, all on device (no host round trip, one compiled program per shape):
+Lowering: Mosaic GPU, through the two tile kernels of expert_tiles.py (shared with the grouped op): this module
+builds the decode tile table and the combine. Decode is bound by weight bytes: every union expert's gate/up/down
+must cross HBM once, and nothing else of that size may. The steps, all on device:
 
 1. Union of the T·K selected ids by pairwise comparison (no sort): `union_ids[:n_union]` in first-seen order
    and each slot's position in it. Ids outside [0, E) (zero-computation experts) are not in the union.
@@ -18,12 +14,8 @@ that size may. The steps, all on device (no host round trip, one compiled progra
 4. Row t sums `w[t,k] · y[position of slot k, t]` over its own slots in slot order, so a row's output does not
    depend on its batch neighbours (batch invariance).
 
-Quantized weights (`QuantizedWeight`: int8/int4, FP8 blocks, MXFP4, NVFP4): the tile kernels stream each union
-expert's codes and scales instead of bf16 weights (a half or a quarter of the bytes) and dequantize every tile in
-registers to bf16 before the wgmma (expert_tiles.py); x and h are bf16.
-
-Routing weights applied on the input (Llama-4, `in_scale`) give each union expert its own scaled copy of the
-rows (a tile per union expert). The shared expert and zero-expert terms are the caller's (moejax adds them).
+Quantized weights stream each union expert's codes and scales (a half or a quarter of the bf16 bytes). Input
+scales (Llama-4, `in_scale`) give each union expert its own scaled copy of the rows (a tile per union expert).
 """
 
 from __future__ import annotations

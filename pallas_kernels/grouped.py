@@ -1,10 +1,8 @@
 """Grouped prefill on Mosaic GPU: (token, slot) pairs sorted by expert in 64-row block-aligned tiles.
 
-Lowering: **Mosaic GPU** (Hopper: TMA pipeline into shared memory, wgmma with float32 accumulators, a
-persistent grid), through the two tile kernels of `pallas_kernels.expert_tiles`, shared with the decode op;
-this module builds the block-aligned tile table on device and the combine, so it has no kernel body of its own.
-
-Prefill is bound by arithmetic: pairs of the same expert are multiplied together in 64-row tiles.
+Lowering: Mosaic GPU, through the two tile kernels of expert_tiles.py (shared with the decode op): this module
+builds the block-aligned tile table on device and the combine. Prefill is bound by arithmetic: pairs of the same
+expert are multiplied together in 64-row tiles.
 
 1. Metadata on device, static shapes: per expert its pair count and `ceil(count / 64)` tiles; a stable
    argsort of the pairs by expert; each pair's row in the block-aligned layout (`64 · first tile of its
@@ -16,9 +14,6 @@ Prefill is bound by arithmetic: pairs of the same expert are multiplied together
    runs `num_tiles · column blocks` work items, a device value: no program exists for an empty expert, and at
    most `ceil(T·K / 64) + min(E, T·K)` tiles exist at all.
 3. Each pair's row is gathered back and the slots of a token are summed with their weights in slot order.
-
-Quantized weights (`QuantizedWeight`: int8/int4, FP8 blocks, MXFP4, NVFP4) go through the same steps: the tile
-kernels read codes and scales and dequantize each tile in registers to bf16 before the wgmma (expert_tiles.py).
 """
 
 from __future__ import annotations
