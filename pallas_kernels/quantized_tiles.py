@@ -150,8 +150,8 @@ def _quantized_step(ops, op_refs, accs, bufs, expert, col, bs, halves: int):
 
 
 def _gate_up_kernel(tile_expert_ref, tile_block_ref, num_tiles_ref, x_ref, *refs, bs, op: _QuantOperand, act):
-    """`tile_kernels.gate_up_kernel` over quantized gate/up: the same work items and epilogue, the weights
-    dequantized in registers into bf16 shared-memory tiles that the wgmma reads (`_quantized_step`).
+    """The dense `_gate_up_kernel` (tile_kernels.py) over quantized gate/up: the same work items and epilogue, the
+    weights dequantized in registers into bf16 shared-memory tiles that the wgmma reads (`_quantized_step`).
 
     refs: gate's refs, up's refs (`_QuantOperand`), `[gate_bias, up_bias,] h` (out); x `[R, H]` bf16 (4-bit
     kinds: the columns of each block in [even | odd] order).
@@ -177,7 +177,7 @@ def _gate_up_kernel(tile_expert_ref, tile_block_ref, num_tiles_ref, x_ref, *refs
 
 
 def _down_kernel(tile_expert_ref, num_tiles_ref, h_ref, *refs, bs, op: _QuantOperand, rows_out: int):
-    """`tile_kernels.down_kernel` over a quantized down projection (`_quantized_step`).
+    """The dense `_down_kernel` (tile_kernels.py) over a quantized down projection (`_quantized_step`).
 
     refs: down's refs (`_QuantOperand`), `[down_bias,] y` (out); h `[N_tiles·64, I]` bf16 (4-bit kinds: the
     columns of each block in [even | odd] order).

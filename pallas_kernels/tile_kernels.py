@@ -128,7 +128,9 @@ def _weight_spec(bs, transposed: bool, col) -> plgpu.BlockSpec:
     return plgpu.BlockSpec((bs.block_k, bs.block_n), lambda k: (k, col), delay_release=1)
 
 
-def gate_up_kernel(tile_expert_ref, tile_block_ref, num_tiles_ref, x_ref, gate_ref, up_ref, *refs, bs, transposed, act):
+def _gate_up_kernel(
+    tile_expert_ref, tile_block_ref, num_tiles_ref, x_ref, gate_ref, up_ref, *refs, bs, transposed, act
+):
     """`h[tile] = act(x[tile_block[tile]] @ gate[e], x[...] @ up[e])`, e = `tile_expert[tile]`.
 
     GMEM refs: tile_expert, tile_block `[N_tiles]` int32 (each tile's expert and row block of x), num_tiles `[1]`
@@ -159,7 +161,7 @@ def gate_up_kernel(tile_expert_ref, tile_block_ref, num_tiles_ref, x_ref, gate_r
     for_each_work_item(tile_expert_ref, tile_block_ref, num_tiles_ref, h_ref, bs.block_n, work_item)
 
 
-def down_kernel(tile_expert_ref, num_tiles_ref, h_ref, down_ref, *refs, bs, transposed: bool, rows_out: int):
+def _down_kernel(tile_expert_ref, num_tiles_ref, h_ref, down_ref, *refs, bs, transposed: bool, rows_out: int):
     """`y[tile] = h[tile] @ down[e]`, float32, of which the first `rows_out` rows are stored.
 
     GMEM refs: tile_expert `[N_tiles]` and num_tiles `[1]` int32, h `[N_tiles·64, I]`, down `[E, I, H]` (`[E, H,
@@ -188,7 +190,7 @@ def gate_up_body(x: Array, gate: Array, up: Array, bs, act: GatedActivation, int
     transposed = x.dtype == jnp.float32 and not interpret
     if transposed:
         gate, up = jnp.swapaxes(gate, 1, 2), jnp.swapaxes(up, 1, 2)
-    return functools.partial(gate_up_kernel, bs=bs, transposed=transposed, act=act), (x, gate, up)
+    return functools.partial(_gate_up_kernel, bs=bs, transposed=transposed, act=act), (x, gate, up)
 
 
 def down_body(h: Array, down: Array, bs, rows_out: int, interpret: bool):
@@ -196,4 +198,4 @@ def down_body(h: Array, down: Array, bs, rows_out: int, interpret: bool):
     transposed = h.dtype == jnp.float32 and not interpret
     if transposed:
         down = jnp.swapaxes(down, 1, 2)
-    return functools.partial(down_kernel, bs=bs, transposed=transposed, rows_out=rows_out), (h, down)
+    return functools.partial(_down_kernel, bs=bs, transposed=transposed, rows_out=rows_out), (h, down)
