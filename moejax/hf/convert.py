@@ -9,19 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import MoEConfig, SharedExpert
-from moejax.hf.families import BY_NAME, DEEPSEEK, LAYOUTS, QWEN, KeyLayout
-from moejax.hf.layouts import (
-    GATE_UP_DOWN,
-    StateDict,
-    block_to_hf,
-    experts_from_hf,
-    ignored_keys,
-    router_from_hf,
-    shared_from_hf,
-)
-from moejax.hf.quant import BlockQuant
+from moejax.hf.expert_tensors import experts_from_hf, experts_to_hf, quantized_experts_to_hf
+from moejax.hf.families import BY_NAME
+from moejax.hf.keys import DEEPSEEK, LAYOUTS, QWEN, SHARED_PREFIXES, KeyLayout
+from moejax.hf.quant_config import BlockQuant, HfQuant, from_quantization_config
+from moejax.hf.state_dict import StateDict, block_to_hf, ignored_keys, router_from_hf, shared_from_hf
 from moejax.params import MoEParams, check_params, flatten, unflatten, with_experts_layout
-from moejax.quantized import HfQuant, QuantizedExperts, format_from_config, format_to_hf_tensors
+from moejax.quantized.formats import QuantizedExperts
 from moejax.weights import Layout, as_stacked, from_host
 
 
@@ -98,17 +92,14 @@ def block_quant_of(
     routed experts in its format, the shared expert when its keys are quantized ones."""
     if quantization_config is None:
         return None
-    if "quantization" in quantization_config and "quant_method" not in quantization_config:
-        hf = format_from_config(None, quantization_config)  # hf_quant_config.json
-    else:
-        hf = format_from_config(quantization_config)
+    hf = from_quantization_config(quantization_config)
     return BlockQuant(hf, experts=True, shared=_shared_is_quantized(sd, key_layout, hf))
 
 
 def _shared_is_quantized(sd: StateDict, key_layout: KeyLayout, hf: HfQuant) -> bool:
     """Without module names to match an ignore list against: whether the shared MLP's keys are quantized ones."""
     return hf.source != "gpt-oss" and any(
-        k.startswith(("shared_expert.", "shared_experts.", key_layout.shared_prefix))
+        k.startswith((*SHARED_PREFIXES, key_layout.shared_prefix))
         and not k.endswith((".weight", ".bias"))
         for k in sd.raw
     )
@@ -159,7 +150,7 @@ def params_to_hf(
     `gate_up_proj` has zero rows for its zero experts, as transformers sizes it.
 
     Quantized routed experts (`moejax.quantized`) are written in `quant`'s on-disk layout
-    (`moejax.quantized.format_to_hf_tensors`: per-expert keys, or gpt-oss's fused MXFP4 blocks whatever `layout`
+    (`moejax.hf.expert_tensors.format_to_hf_tensors`: per-expert keys, or gpt-oss's fused MXFP4 blocks whatever `layout`
     says); `quant` may be left out for MXFP4 experts in the gpt-oss layout.
     """
     if layout not in ("fused", "per_expert"):
@@ -173,30 +164,7 @@ def params_to_hf(
     }
     if key_layout is None:
         key_layout = _family_layouts(family)[0] if family is not None else _default_write_layout(cfg, flat)
-    hf = block_to_hf(flat, key_layout, cfg, layout)
+    hf = block_to_hf(flat, key_layout)
     if quantized:
-        hf |= _quantized_experts_to_hf(params.experts, key_layout, quant)
-    return hf
-
-
-def _quantized_experts_to_hf(experts: Any, key_layout: KeyLayout, quant: HfQuant | None) -> dict[str, np.ndarray]:
-    fmt = type(as_stacked(experts))
-    if quant is None:
-        if key_layout.experts != "gpt_oss" or fmt.scheme.kind != "mxfp4":
-            raise ValueError(f"experts are quantized ({fmt.__name__}): pass quant= (the checkpoint's on-disk layout)")
-        quant = HfQuant(fmt, "gpt-oss")
-    if (quant.source == "gpt-oss") != (key_layout.experts == "gpt_oss"):
-        raise ValueError(f"the {key_layout.name} layout cannot hold quantized experts in the {quant.source} layout")
-    if key_layout.experts == "stacked_moe":
-        raise NotImplementedError(
-            f"quantized experts in the {key_layout.name} layout (stacked moe.*) are not supported"
-        )
-    tensors = format_to_hf_tensors(experts, quant)
-    if quant.source == "gpt-oss" or key_layout.expert_names == GATE_UP_DOWN:
-        return tensors
-    rename = dict(zip(GATE_UP_DOWN, key_layout.expert_names, strict=True))
-    renamed = {}
-    for key, value in tensors.items():
-        _, e, name, suffix = key.split(".", 3)
-        renamed[f"experts.{e}.{rename[name]}.{suffix}"] = value
-    return renamed
+        return hf | quantized_experts_to_hf(params.experts, key_layout, quant)
+    return hf | experts_to_hf(flat, key_layout, cfg, layout)
