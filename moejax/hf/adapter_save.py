@@ -14,21 +14,9 @@ from typing import Any
 import numpy as np
 
 from moejax.config import MoEConfig
+from moejax.hf import adapter_config as peft
 from moejax.hf import files, transaction
-from moejax.hf.adapter_config import (
-    CONFIG,
-    FUSED,
-    GUD,
-    LORA_KEY,
-    PREFIX,
-    SHARED_GATE,
-    UNSUPPORTED,
-    WEIGHTS,
-    AdapterConfig,
-    BlockNames,
-    candidates,
-    refuse_rank_zero,
-)
+from moejax.hf.adapter_config import AdapterConfig, BlockNames, candidates, refuse_rank_zero
 from moejax.hf.expert_tensors import join_gate_up
 from moejax.hf.families import BY_NAME
 from moejax.lora import LoRAPair, LoRAParams
@@ -88,7 +76,7 @@ def save_adapter(
     library = f"transformers.models.{fam.model_types[0]}.modeling_{fam.model_types[0]}"
     path = os.fspath(adapter_dir)
     with transaction.Transaction(path) as tx:
-        config_path, weights_path = os.path.join(path, CONFIG), os.path.join(path, WEIGHTS)
+        config_path, weights_path = os.path.join(path, peft.CONFIG), os.path.join(path, peft.WEIGHTS)
         old = None
         if os.path.exists(config_path):
             with open(config_path) as f:
@@ -102,14 +90,15 @@ def save_adapter(
                 head.pop("__metadata__", None)
             config = _merged(old, config_path, targets, names, layer_idx, use_rslora, library, set(head))
             mine = candidates(fam, layer_idx)  # the layer's old block goes; everything else stays
-            kept = [k for k in head if not any(n.owns(_module_of(k.removeprefix(PREFIX))) for n in mine)]
+            kept = [k for k in head if not any(n.owns(_module_of(k.removeprefix(peft.PREFIX))) for n in mine)]
             tensors = files.read_file(weights_path, kept) if kept else {}
         tensors |= _tensors(targets, names, config)
         if config != old:  # first: it only adds what the old weights lack (docstring)
-            tx.replace_json(CONFIG, config, indent=2)
+            tx.replace_json(peft.CONFIG, config, indent=2)
         from safetensors.numpy import save
 
-        tx.replace(WEIGHTS, save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata={"format": "pt"}))
+        data = save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata={"format": "pt"})
+        tx.replace(peft.WEIGHTS, data)
         tx.commit()
 
 
@@ -129,7 +118,7 @@ class _Target:
 
 
 def _module_of(key: str) -> str:
-    match = LORA_KEY.match(key)
+    match = peft.LORA_KEY.match(key)
     return match.group(1) if match else key
 
 
@@ -155,13 +144,13 @@ def _targets(lora: LoRAParams, cfg: MoEConfig, names: BlockNames) -> list[_Targe
             param = f"{names.experts()}.{projection}"
             out.append(_Target(names.experts(), param, a_flat, b_flat, r, s, projection))
     if lora.shared is not None:
-        spelling = dict(zip(GUD, names.layout.shared_names, strict=True))
+        spelling = dict(zip(peft.GUD, names.layout.shared_names, strict=True))
         for target in ("gate", "up", "down", "gate_kernel"):
             p = getattr(lora.shared, target)
             if p is None:
                 continue
             if target == "gate_kernel":
-                module = names.prefix + SHARED_GATE
+                module = names.prefix + peft.SHARED_GATE
             else:
                 module = names.prefix + names.layout.shared_prefix + spelling[target]
             # as a 2-D parameter: peft would take a module name ending in gate_proj / up_proj / down_proj for the
@@ -225,7 +214,7 @@ def _merged(
     old weights (keys `held`) already hold at the same rank keeps its alpha: its B is rescaled in place."""
     if old.get("peft_type") != "LORA":
         raise ValueError(f"save_adapter: {where} has peft_type={old.get('peft_type')!r}; only a LoRA adapter merges")
-    for name, default in UNSUPPORTED.items():
+    for name, default in peft.UNSUPPORTED.items():
         value = old.get(name, default)
         if value and value != default:
             raise ValueError(f"save_adapter: {where} has {name}={value!r}; moejax writes only {name}={default!r}")
@@ -255,13 +244,13 @@ def _merged(
         config["init_lora_weights"] = True
     after = AdapterConfig.from_json(config, where)
     fused = {t.fused for t in targets if t.fused}
-    targeted = {p for p in FUSED if after.targets_parameter(f"{names.experts()}.{p}")}
+    targeted = {p for p in peft.FUSED if after.targets_parameter(f"{names.experts()}.{p}")}
     if fused and fused != targeted:
         raise ValueError(
             f"save_adapter: {where} has target_parameters={params} naming {sorted(targeted)} of layer {layer}'s "
             f"experts; this adapter has {sorted(fused)} (peft nests the wrappers by that list)"
         )
-    targeted_before = {p for p in FUSED if before.targets_parameter(f"{names.experts()}.{p}")}
+    targeted_before = {p for p in peft.FUSED if before.targets_parameter(f"{names.experts()}.{p}")}
     ranks: dict[str, int] = {}
     alphas: dict[str, float] = {}
     for t in targets:
@@ -270,7 +259,7 @@ def _merged(
         s0 = before.scale(r0, alpha0) if r0 > 0 else 0.0
         if r0 == t.r and math.isclose(s0, t.s, rel_tol=1e-6):  # the same, up to the float32 of a loaded scale
             continue
-        if f"{PREFIX}{_module_for(t, targeted_before)}.lora_A.weight" in held and r0 == t.r and s0 != 0:
+        if f"{peft.PREFIX}{_module_for(t, targeted_before)}.lora_A.weight" in held and r0 == t.r and s0 != 0:
             t.b = (t.b.astype(np.float64) * (t.s / s0)).astype(t.b.dtype)
             t.s = s0
             continue
@@ -292,12 +281,12 @@ def _module_for(target: _Target, targeted: set[str]) -> str:
 
 def _tensors(targets: list[_Target], names: BlockNames, config: Mapping[str, Any]) -> dict[str, np.ndarray]:
     after = AdapterConfig.from_json(config)
-    targeted = {p for p in FUSED if after.targets_parameter(f"{names.experts()}.{p}")}
+    targeted = {p for p in peft.FUSED if after.targets_parameter(f"{names.experts()}.{p}")}
     out = {}
     for t in targets:
         module = _module_for(t, targeted)
-        out[f"{PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(t.a)
-        out[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(t.b)
+        out[f"{peft.PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(t.a)
+        out[f"{peft.PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(t.b)
     return out
 
 

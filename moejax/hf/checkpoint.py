@@ -180,9 +180,7 @@ def _quantized_tensor(key: str, quant: BlockQuant | None) -> bool:
     """A quantized module's codes or scales (never cast); its biases are ordinary tensors."""
     if quant is None or key.endswith("bias"):
         return False
-    return (quant.experts and key.startswith("experts.")) or (
-        quant.shared and key.startswith(SHARED_PREFIXES)
-    )
+    return (quant.experts and key.startswith("experts.")) or (quant.shared and key.startswith(SHARED_PREFIXES))
 
 
 def _cast(

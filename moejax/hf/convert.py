@@ -99,8 +99,7 @@ def block_quant_of(
 def _shared_is_quantized(sd: StateDict, key_layout: KeyLayout, hf: HfQuant) -> bool:
     """Without module names to match an ignore list against: whether the shared MLP's keys are quantized ones."""
     return hf.source != "gpt-oss" and any(
-        k.startswith((*SHARED_PREFIXES, key_layout.shared_prefix))
-        and not k.endswith((".weight", ".bias"))
+        k.startswith((*SHARED_PREFIXES, key_layout.shared_prefix)) and not k.endswith((".weight", ".bias"))
         for k in sd.raw
     )
 
