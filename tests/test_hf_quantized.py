@@ -3,8 +3,8 @@ layout of docs/FORMATS.md (DeepSeek-V3 FP8 with shared experts, compressed-tenso
 FP8_BLOCK / NVFP4A16 / MXFP4A16, gpt-oss MXFP4, ModelOpt NVFP4 with hf_quant_config.json), sharded over three files
 with an index. H = 160 and I = 96 are not multiples of 128: partial FP8 blocks.
 
-The expert tensors are written with `moejax.quantized.format_to_hf_tensors` (checked against numpy dequantizers
-from the spec in tests/test_quantized.py); the DeepSeek shared expert is checked here against its own numpy
+The expert tensors are written with `moejax.hf.expert_tensors.format_to_hf_tensors` (checked against numpy
+dequantizers from the spec in tests/test_quantized.py); the DeepSeek shared expert is checked here against its own numpy
 dequantizer."""
 
 import json

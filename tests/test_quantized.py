@@ -92,6 +92,16 @@ def test_nibble_and_int32_packing_round_trip():
     np.testing.assert_array_equal(QT._codes_of_stream(QT._bytes_of_int32_rows(words), 4, 12), row)
 
 
+def test_each_scheme_names_its_kernel_kind():
+    """The kernels' kind is read off the scheme (one attribute, no translation table elsewhere)."""
+    from pallas_kernels.quantized_weights import KINDS
+
+    kinds = {name: Q.format_by_name(name).scheme.kernel_kind for name in Q.FORMAT_NAMES}
+    assert kinds == {"int8": "int8", "int4": "int4", "fp8_block": "fp8_block", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
+    assert set(kinds.values()) == set(KINDS)
+    assert Q.format_by_name("int4", group_size=None, symmetric=False).scheme.kernel_kind == "int4"
+
+
 # -- the on-disk layouts against numpy written from the spec ----------------------------------------------------
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from moejax.hf.families import Block, Family
-from moejax.hf.keys import SHARED_PREFIXES, KeyLayout
+from moejax.hf.keys import SHARED_PREFIXES, BlockKeys
 from moejax.lora import LoRAParams
 
 CONFIG = "adapter_config.json"
@@ -179,27 +179,27 @@ class BlockNames:
     """The module names of one layer's block in a PEFT file (without `base_model.model.`), in one key layout."""
 
     prefix: str  # "model.layers.1.mlp."
-    layout: KeyLayout
+    keys: BlockKeys
 
     def router(self) -> str:
-        return self.prefix + self.layout.router.removesuffix(".weight")
+        return self.prefix + self.keys.router.removesuffix(".weight")
 
     def experts(self) -> str:
         return self.prefix + "experts"
 
     def shared(self) -> tuple[str, ...]:
-        return (self.prefix + self.layout.shared_prefix, *(self.prefix + p for p in SHARED_PREFIXES))
+        return (self.prefix + self.keys.shared_prefix, *(self.prefix + p for p in SHARED_PREFIXES))
 
     def owns(self, module: str) -> bool:
         if not module.startswith(self.prefix):
             return False
-        return self.layout.owns(module[len(self.prefix) :])
+        return self.keys.owns(module[len(self.prefix) :])
 
 
 def _peft_block(family: Family) -> Block:
     """The block as transformers 5 holds it in memory (the module names PEFT writes): a fused in-memory block of
     the text model, else the text model's block in the in-memory layout, else the first in that layout."""
-    memory = [b for b in family.blocks if b.layout == family.memory]
+    memory = [b for b in family.blocks if b.keys == family.memory]
     text = [b for b in memory if b.composite is not True]
     fused = [b for b in text if b.experts == "fused"]
     return (fused or text or memory or list(family.blocks))[0]
@@ -213,7 +213,7 @@ def candidates(family: Family, layer: int) -> list[BlockNames]:
     marker = f"layers.{layer}."
     sub = memory.at(layer).split(marker, 1)[1]
     out = [BlockNames(head + marker + sub, family.memory) for head in ("model.", "model.language_model.")]
-    out += [BlockNames(b.at(layer), b.layout) for b in family.blocks]
+    out += [BlockNames(b.at(layer), b.keys) for b in family.blocks]
     unique: list[BlockNames] = []
     for n in out:
         if all(n.prefix != u.prefix for u in unique):

@@ -159,8 +159,8 @@ def load_adapter(
         if errors:
             raise ValueError(f"load_adapter: {adapter_dir} layer {layer_idx}: " + "; ".join(errors))
         return LoRAParams()
-    zero_rows = lambda layout: layout.zero_expert_rows and cfg.num_zero_experts > 0
-    readings = {(names.layout.experts, zero_rows(names.layout), plan.signature()) for _, names, plan in plans}
+    zero_rows = lambda keys: keys.zero_expert_rows and cfg.num_zero_experts > 0
+    readings = {(names.keys.experts, zero_rows(names.keys), plan.signature()) for _, names, plan in plans}
     if len(readings) > 1:  # families that would read the same keys differently
         which = sorted({fam.name for fam, _, _ in plans})
         raise ValueError(f"load_adapter: the keys of layer {layer_idx} fit the families {which}; pass family=")
@@ -229,7 +229,7 @@ def _plan(mine: list[str], names: BlockNames, cfg: MoEConfig, config: AdapterCon
     experts = names.experts()
     shared_names = {}
     for prefix in names.shared():
-        for spelling in (names.layout.shared_names, *EXPERT_NAMES):
+        for spelling in (names.keys.shared_names, *EXPERT_NAMES):
             for target, name in zip(GUD, spelling, strict=True):
                 shared_names[prefix + name] = target
     per_expert = re.compile(re.escape(experts) + r"\.(\d+)\.(\w+)$")
@@ -317,11 +317,11 @@ def _fused(
     standard and gpt-oss: a = A_e, b = B_e; Llama-4 (`[E, H, 2I]` without `is_transposed`): a = B_eᵀ, b = A_eᵀ.
     """
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-    kind = names.layout.experts
+    kind = names.keys.experts
     if kind not in ("standard", "gpt_oss", "llama4"):
-        raise NotImplementedError(f"load_adapter: fused experts in the {names.layout.name!r} layout ({kind})")
+        raise NotImplementedError(f"load_adapter: fused experts in the {names.keys.name!r} layout ({kind})")
     # rows of the parameter: LongCat's gate_up_proj has rows for its zero experts
-    E_param = cfg.num_selectable if (names.layout.zero_expert_rows and projection == "gate_up_proj") else E
+    E_param = cfg.num_selectable if (names.keys.zero_expert_rows and projection == "gate_up_proj") else E
     width = 2 * I if projection == "gate_up_proj" else I
     # (in, out) as PEFT sees them, and whether PEFT's A is moejax's a
     if kind == "llama4":

@@ -68,7 +68,7 @@ def save_adapter(
         raise ValueError(f"save_adapter: unknown family {family!r}; one of {sorted(BY_NAME)}")
     fam = BY_NAME[family]
     names = candidates(fam, layer_idx)[0]
-    if lora.experts is not None and (names.layout.experts != "standard" or names.layout.zero_expert_rows):
+    if lora.experts is not None and (names.keys.experts != "standard" or names.keys.zero_expert_rows):
         raise NotImplementedError(f"save_adapter: routed-expert adapters of {family} (its expert layout)")
     targets = _targets(lora, cfg, names)
     if not targets:
@@ -144,7 +144,7 @@ def _targets(lora: LoRAParams, cfg: MoEConfig, names: BlockNames) -> list[_Targe
             param = f"{names.experts()}.{projection}"
             out.append(_Target(names.experts(), param, a_flat, b_flat, r, s, projection))
     if lora.shared is not None:
-        spelling = dict(zip(peft.GUD, names.layout.shared_names, strict=True))
+        spelling = dict(zip(peft.GUD, names.keys.shared_names, strict=True))
         for target in ("gate", "up", "down", "gate_kernel"):
             p = getattr(lora.shared, target)
             if p is None:
@@ -152,7 +152,7 @@ def _targets(lora: LoRAParams, cfg: MoEConfig, names: BlockNames) -> list[_Targe
             if target == "gate_kernel":
                 module = names.prefix + peft.SHARED_GATE
             else:
-                module = names.prefix + names.layout.shared_prefix + spelling[target]
+                module = names.prefix + names.keys.shared_prefix + spelling[target]
             # as a 2-D parameter: peft would take a module name ending in gate_proj / up_proj / down_proj for the
             # routed experts' on the families it converts (docs/LORA.md)
             out.append(_Target(module, module + ".weight", host(p.a), host(p.b), p.rank, float(p.scale)))

@@ -23,7 +23,7 @@ from moejax.config import MoEConfig
 from moejax.hf import files as shards
 from moejax.hf import quant_config
 from moejax.hf.configs import config_from_hf, family_config, layer_kind, moe_layer_indices, num_layers
-from moejax.hf.convert import block_quant_of, layout_of, params_from_layout
+from moejax.hf.convert import block_keys_of, block_quant_of, params_of_block
 from moejax.hf.families import Block, Family
 from moejax.hf.keys import SHARED_PREFIXES
 from moejax.hf.quant_config import BlockQuant
@@ -39,7 +39,7 @@ Checkpoint = str | os.PathLike
 
 
 def _block_keys(block: Block) -> tuple[str, ...]:
-    return (block.layout.router, *block.layout.identify)
+    return (block.keys.router, *block.keys.identify)
 
 
 def find_block(family: Family, keys: Mapping[str, Any] | set[str], layer: int) -> Block | None:
@@ -56,7 +56,7 @@ def moe_prefixes(family: Family, keys: Iterable[str]) -> list[str]:
     patterns = []
     for block in family.blocks:
         prefix = re.escape(block.prefix).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
-        patterns.append(re.compile(f"(?P<prefix>{prefix}){re.escape(block.layout.router)}$"))
+        patterns.append(re.compile(f"(?P<prefix>{prefix}){re.escape(block.keys.router)}$"))
     found: dict[str, int] = {}
     for key in keys:
         for pattern in patterns:
@@ -138,11 +138,11 @@ class _Opened:
             raise ValueError(f"{what} is a dense MLP ({reason}), not an MoE block; {_listing(self.prefixes())}")
         block = find_block(self.family, self.weight_map, layer)
         if block is None:
-            looked = ", ".join(f"{b.at(layer)}{b.layout.router} ({b.checkpoint})" for b in self.family.blocks)
+            looked = ", ".join(f"{b.at(layer)}{b.keys.router} ({b.checkpoint})" for b in self.family.blocks)
             raise ValueError(f"{what}: no MoE block found; looked for {looked}; {_listing(self.prefixes())}")
         prefix = block.at(layer)
         # Under a decoder-layer prefix (Gemma-4, Step-3.7) the layer's other modules are not read.
-        keys = [k for k in self.weight_map if k.startswith(prefix) and block.layout.owns(k[len(prefix) :])]
+        keys = [k for k in self.weight_map if k.startswith(prefix) and block.keys.owns(k[len(prefix) :])]
         return config_from_hf(self.hf_config, layer), block, keys
 
     def block_quant(self, layer: int, block: Block, keys: list[str]) -> BlockQuant | None:
@@ -208,9 +208,9 @@ def _params(
 ) -> MoEParams:
     prefix = block.at(layer)
     relative = {key[len(prefix) :]: value for key, value in tensors.items()}
-    relative = _cast(relative, dtype, block.layout.correction, quant)
+    relative = _cast(relative, dtype, block.keys.correction, quant)
     try:
-        params = params_from_layout(StateDict(relative), cfg, block.layout, layout, quant)
+        params = params_of_block(StateDict(relative), cfg, block.keys, layout, quant)
     except (ValueError, NotImplementedError) as e:
         raise type(e)(f"layer {layer} ({block.checkpoint}, prefix {prefix!r}): {e}") from None
     if dtype is not None and quant is not None and quant.shared:  # dequantized to float32 on the host
@@ -351,5 +351,5 @@ def load_safetensors(
     for path, file_keys in grouped.items():
         tensors |= shards.read_file(path, file_keys)
     sd = StateDict({key[len(prefix) :]: value for key, value in tensors.items()})
-    key_layout = layout_of(sd.raw, family)
-    return params_from_layout(sd, cfg, key_layout, layout, block_quant_of(sd, key_layout, quantization_config))
+    block_keys = block_keys_of(sd.raw, family)
+    return params_of_block(sd, cfg, block_keys, layout, block_quant_of(sd, block_keys, quantization_config))

@@ -68,7 +68,7 @@ def _block_tensors(
     quant: HfQuant | None = None,
 ) -> dict[str, np.ndarray]:
     try:
-        relative = params_to_hf(params, cfg, experts or block.experts, key_layout=block.layout, quant=quant)
+        relative = params_to_hf(params, cfg, experts or block.experts, block_keys=block.keys, quant=quant)
     except (ValueError, NotImplementedError) as e:
         raise type(e)(f"layer {layer} ({block.checkpoint}): {e}") from None
     prefix = block.at(layer)
@@ -152,7 +152,7 @@ def save_layer(
         sizes: dict[str, int] = {}
         if existing is not None:
             prefix = existing.at(layer_idx)
-            owned = [k for k in weight_map if k.startswith(prefix) and existing.layout.owns(k[len(prefix) :])]
+            owned = [k for k in weight_map if k.startswith(prefix) and existing.keys.owns(k[len(prefix) :])]
             _drop_keys(tx, path, weight_map, owned, sizes)
         shard = _fresh_name(path, weight_map, sizes, f"model-moejax-layer-{layer_idx:05d}")
         sizes[shard] = _create_shard(tx, shard, tensors)

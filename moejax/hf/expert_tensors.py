@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 
 from moejax.config import MoEConfig
-from moejax.hf.keys import GATE_UP_DOWN, W1_W3_W2, ExpertsKind, KeyLayout, linear_names
+from moejax.hf.keys import GATE_UP_DOWN, W1_W3_W2, BlockKeys, ExpertsKind, linear_names
 from moejax.hf.quant_config import HfQuant
 from moejax.hf.quant_tensors import _BYTES, _E8M0, per_expert_fields, per_expert_to_hf, take
 from moejax.hf.state_dict import Reads, StateDict, activation_scales, to_numpy
@@ -131,7 +131,7 @@ def format_to_hf_tensors(experts: Experts, quant: HfQuant) -> dict[str, np.ndarr
 
 
 def experts_from_hf(
-    sd: StateDict, layout: KeyLayout, cfg: MoEConfig, quant: HfQuant | None = None
+    sd: StateDict, block_keys: BlockKeys, cfg: MoEConfig, quant: HfQuant | None = None
 ) -> tuple[type[ExpertFormat], dict[str, np.ndarray]]:
     """The routed experts of one block: (their weight format, its fields as host arrays `[E, ...]`).
 
@@ -141,11 +141,11 @@ def experts_from_hf(
     `quant` too (their keys say what they are).
     """
     H, E, I = cfg.hidden_size, cfg.num_experts, cfg.intermediate_size
-    if quant is None and layout.experts == "gpt_oss" and "experts.gate_up_proj_blocks" in sd:
+    if quant is None and block_keys.experts == "gpt_oss" and "experts.gate_up_proj_blocks" in sd:
         quant = HfQuant(quantized_format("mxfp4"), "gpt-oss")
     if quant is not None:
-        return quant.fmt, _quantized_experts(sd, layout, cfg, quant)
-    if layout.experts == "stacked_moe":  # Step-3.7 on disk: stacked per layer, Linear [out, in] per expert
+        return quant.fmt, _quantized_experts(sd, block_keys, cfg, quant)
+    if block_keys.experts == "stacked_moe":  # Step-3.7 on disk: stacked per layer, Linear [out, in] per expert
         return ExpertWeights, {
             "gate": sd.take("moe.gate_proj.weight", (E, I, H)).transpose(0, 2, 1),
             "up": sd.take("moe.up_proj.weight", (E, I, H)).transpose(0, 2, 1),
@@ -153,14 +153,14 @@ def experts_from_hf(
         }
     if any(_PER_EXPERT_KEY.match(k) for k in sd.raw):
         return ExpertWeights, _per_expert(sd, cfg)
-    if layout.experts == "gpt_oss":
+    if block_keys.experts == "gpt_oss":
         return ExpertWeights, _gpt_oss_experts(sd, cfg)
-    if layout.experts == "llama4":  # transposed [in, out], concatenated halves
+    if block_keys.experts == "llama4":  # transposed [in, out], concatenated halves
         gate_up = sd.take("experts.gate_up_proj", (E, H, 2 * I))
         gate, up = split_gate_up("llama4", gate_up, -1)
         return ExpertWeights, {"gate": gate, "up": up, "down": sd.take("experts.down_proj", (E, I, H))}
     # LongCat sizes gate_up_proj with the zero experts too; their rows are never used (FAMILIES.md §11).
-    rows = (E, cfg.num_selectable) if layout.zero_expert_rows else (E,)
+    rows = (E, cfg.num_selectable) if block_keys.zero_expert_rows else (E,)
     gate_up = sd.take("experts.gate_up_proj", *((r, 2 * I, H) for r in rows))[:E]
     down = sd.take("experts.down_proj", (E, H, I))
     gate, up = split_gate_up("standard", gate_up, 1)
@@ -171,14 +171,16 @@ def experts_from_hf(
     }
 
 
-def _quantized_experts(sd: StateDict, layout: KeyLayout, cfg: MoEConfig, quant: HfQuant) -> dict[str, np.ndarray]:
+def _quantized_experts(sd: StateDict, block_keys: BlockKeys, cfg: MoEConfig, quant: HfQuant) -> dict[str, np.ndarray]:
     """`fields_from_hf_tensors` of the expert keys; the keys it read are marked used, and so are the activation
     scales (weight-only: known and left unread); anything else under `experts.` is left for the unused-key check."""
-    if layout.experts == "stacked_moe":
-        raise NotImplementedError(f"quantized experts in the {layout.name} layout (stacked moe.*) are not supported")
-    if (quant.source == "gpt-oss") != (layout.experts == "gpt_oss"):
+    if block_keys.experts == "stacked_moe":
+        raise NotImplementedError(
+            f"quantized experts in the {block_keys.name} layout (stacked moe.*) are not supported"
+        )
+    if (quant.source == "gpt-oss") != (block_keys.experts == "gpt_oss"):
         what = "gpt-oss's fused MXFP4 blocks" if quant.source == "gpt-oss" else f"{quant.source} per-expert keys"
-        raise ValueError(f"the {layout.name} layout does not hold {what}")
+        raise ValueError(f"the {block_keys.name} layout does not hold {what}")
     tensors = Reads({k: to_numpy(v) for k, v in sd.raw.items() if k.startswith("experts.")})
     fields = fields_from_hf_tensors(tensors, cfg, quant)
     modules = [f"experts.{e}.{n}." for e in range(cfg.num_experts) for n in GATE_UP_DOWN + W1_W3_W2]
@@ -222,19 +224,19 @@ def _gpt_oss_experts(sd: StateDict, cfg: MoEConfig) -> dict[str, np.ndarray]:
 
 
 def experts_to_hf(
-    flat: dict[str, np.ndarray], layout: KeyLayout, cfg: MoEConfig, experts: Literal["fused", "per_expert"]
+    flat: dict[str, np.ndarray], block_keys: BlockKeys, cfg: MoEConfig, experts: Literal["fused", "per_expert"]
 ) -> dict[str, np.ndarray]:
     """Dense routed experts (moejax's flat stacked arrays, `experts.gate` ...) -> the layout's keys."""
     if experts == "per_expert":
-        if layout.experts == "stacked_moe":
-            raise ValueError(f"the {layout.name} layout stores experts stacked: per-expert keys do not exist there")
-        hf = _per_expert_to_hf(flat, layout, cfg)
+        if block_keys.experts == "stacked_moe":
+            raise ValueError(f"the {block_keys.name} layout stores experts stacked: per-expert keys do not exist there")
+        hf = _per_expert_to_hf(flat, block_keys, cfg)
     else:
-        hf = _fused_to_hf(flat, layout)
-    return hf | _zero_expert_rows(hf, layout, cfg) if layout.zero_expert_rows else hf
+        hf = _fused_to_hf(flat, block_keys)
+    return hf | _zero_expert_rows(hf, block_keys, cfg) if block_keys.zero_expert_rows else hf
 
 
-def _zero_expert_rows(hf: dict[str, np.ndarray], layout: KeyLayout, cfg: MoEConfig) -> dict[str, np.ndarray]:
+def _zero_expert_rows(hf: dict[str, np.ndarray], block_keys: BlockKeys, cfg: MoEConfig) -> dict[str, np.ndarray]:
     """LongCat's gate_up_proj has rows for the zero experts too (never used; FAMILIES.md §19.2): transformers
     refuses a checkpoint without them, so they are written as zeros."""
     zeros = cfg.num_zero_experts
@@ -243,15 +245,15 @@ def _zero_expert_rows(hf: dict[str, np.ndarray], layout: KeyLayout, cfg: MoEConf
         return {"experts.gate_up_proj": np.concatenate([gate_up, np.zeros((zeros, *gate_up.shape[1:]), gate_up.dtype)])}
     pad = {}
     for e in range(cfg.num_experts, cfg.num_selectable):
-        for name in layout.expert_names[:2]:
+        for name in block_keys.expert_names[:2]:
             weight = hf[f"experts.0.{name}.weight"]
             pad[f"experts.{e}.{name}.weight"] = np.zeros_like(weight)
     return pad
 
 
-def _fused_to_hf(flat: dict[str, np.ndarray], layout: KeyLayout) -> dict[str, np.ndarray]:
+def _fused_to_hf(flat: dict[str, np.ndarray], block_keys: BlockKeys) -> dict[str, np.ndarray]:
     gate, up, down = flat["experts.gate"], flat["experts.up"], flat["experts.down"]
-    if layout.experts == "gpt_oss":
+    if block_keys.experts == "gpt_oss":
         return {
             "experts.gate_up_proj": join_gate_up("gpt_oss", gate, up, -1),
             "experts.gate_up_proj_bias": join_gate_up(
@@ -260,9 +262,9 @@ def _fused_to_hf(flat: dict[str, np.ndarray], layout: KeyLayout) -> dict[str, np
             "experts.down_proj": down,
             "experts.down_proj_bias": flat["experts.down_bias"],
         }
-    if layout.experts == "llama4":
+    if block_keys.experts == "llama4":
         return {"experts.gate_up_proj": join_gate_up("llama4", gate, up, -1), "experts.down_proj": down}
-    if layout.experts == "stacked_moe":
+    if block_keys.experts == "stacked_moe":
         return {
             "moe.gate_proj.weight": gate.transpose(0, 2, 1),
             "moe.up_proj.weight": up.transpose(0, 2, 1),
@@ -272,32 +274,34 @@ def _fused_to_hf(flat: dict[str, np.ndarray], layout: KeyLayout) -> dict[str, np
     return {"experts.gate_up_proj": gate_up, "experts.down_proj": down.transpose(0, 2, 1)}
 
 
-def _per_expert_to_hf(flat: dict[str, np.ndarray], layout: KeyLayout, cfg: MoEConfig) -> dict[str, np.ndarray]:
+def _per_expert_to_hf(flat: dict[str, np.ndarray], block_keys: BlockKeys, cfg: MoEConfig) -> dict[str, np.ndarray]:
     hf = {}
     for e in range(cfg.num_experts):
-        for name, hf_name in zip(("gate", "up", "down"), layout.expert_names, strict=True):
+        for name, hf_name in zip(("gate", "up", "down"), block_keys.expert_names, strict=True):
             hf[f"experts.{e}.{hf_name}.weight"] = flat[f"experts.{name}"][e].T
             if cfg.expert_bias:
                 hf[f"experts.{e}.{hf_name}.bias"] = flat[f"experts.{name}_bias"][e]
     return hf
 
 
-def quantized_experts_to_hf(experts: Any, layout: KeyLayout, quant: HfQuant | None) -> dict[str, np.ndarray]:
+def quantized_experts_to_hf(experts: Any, block_keys: BlockKeys, quant: HfQuant | None) -> dict[str, np.ndarray]:
     """Quantized routed experts -> `quant`'s on-disk keys under the layout's expert names (`quant` may be None for
     MXFP4 experts in the gpt-oss layout)."""
     fmt = type(as_stacked(experts))
     if quant is None:
-        if layout.experts != "gpt_oss" or fmt.scheme.kind != "mxfp4":
+        if block_keys.experts != "gpt_oss" or fmt.scheme.kind != "mxfp4":
             raise ValueError(f"experts are quantized ({fmt.__name__}): pass quant= (the checkpoint's on-disk layout)")
         quant = HfQuant(fmt, "gpt-oss")
-    if (quant.source == "gpt-oss") != (layout.experts == "gpt_oss"):
-        raise ValueError(f"the {layout.name} layout cannot hold quantized experts in the {quant.source} layout")
-    if layout.experts == "stacked_moe":
-        raise NotImplementedError(f"quantized experts in the {layout.name} layout (stacked moe.*) are not supported")
+    if (quant.source == "gpt-oss") != (block_keys.experts == "gpt_oss"):
+        raise ValueError(f"the {block_keys.name} layout cannot hold quantized experts in the {quant.source} layout")
+    if block_keys.experts == "stacked_moe":
+        raise NotImplementedError(
+            f"quantized experts in the {block_keys.name} layout (stacked moe.*) are not supported"
+        )
     tensors = format_to_hf_tensors(experts, quant)
-    if quant.source == "gpt-oss" or layout.expert_names == GATE_UP_DOWN:
+    if quant.source == "gpt-oss" or block_keys.expert_names == GATE_UP_DOWN:
         return tensors
-    rename = dict(zip(GATE_UP_DOWN, layout.expert_names, strict=True))
+    rename = dict(zip(GATE_UP_DOWN, block_keys.expert_names, strict=True))
     renamed = {}
     for key, value in tensors.items():
         _, e, name, suffix = key.split(".", 3)

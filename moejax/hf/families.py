@@ -1,9 +1,9 @@
 """One record per model family: everything moejax knows about a family's Hugging Face form, in one place.
 
 A `Family` holds the HF `model_type`s it answers to, how its config maps to a `MoEConfig` and which decoder layers
-have an MoE block (`moejax.hf.family_configs`), the key layout of transformers' in-memory block, and, per checkpoint
-class, the prefix of the block on disk and its key layout (`moejax.hf.keys`). Adding a family is adding one record
-to `FAMILY_RECORDS` (and, if its keys are new, one `KeyLayout`).
+have an MoE block (`moejax.hf.family_configs`), the key names of transformers' in-memory block, and, per checkpoint
+class, the prefix of the block on disk and its key names (`moejax.hf.keys`). Adding a family is adding one record
+to `FAMILY_RECORDS` (and, if its keys are new, one `BlockKeys`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Literal
 from moejax.hf import family_configs as fc
 from moejax.hf.config_fields import HFConfig
 from moejax.hf.family_configs import LayerKind
-from moejax.hf.keys import DEEPSEEK, DEEPSEEK_V4, GEMMA4, GPT_OSS, LLAMA4, LONGCAT, MIXTRAL, QWEN, STEP3P7, KeyLayout
+from moejax.hf.keys import DEEPSEEK, DEEPSEEK_V4, GEMMA4, GPT_OSS, LLAMA4, LONGCAT, MIXTRAL, QWEN, STEP3P7, BlockKeys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +24,7 @@ class Block:
 
     Attributes:
       prefix: the key prefix with `{layer}` for the layer index, e.g. `"model.layers.{layer}.mlp."`.
-      layout: the block's key layout under the prefix.
+      keys: the block's key names under the prefix.
       checkpoint: the checkpoint class, for messages (`"MixtralForCausalLM"`).
       experts: how the routed experts are stored there ("per_expert" keys or "fused" tensors), as written by
         `save_layer`; both are read.
@@ -33,7 +33,7 @@ class Block:
     """
 
     prefix: str
-    layout: KeyLayout
+    keys: BlockKeys
     checkpoint: str
     experts: Literal["fused", "per_expert"] = "per_expert"
     composite: bool | None = False
@@ -51,8 +51,8 @@ class Family:
       model_types: the HF `model_type`s of its configs (text and composite).
       config: (text config, layer index or None) -> `MoEConfig` fields.
       layer_kind: (text config, layer index) -> ("moe" | "hash_moe" | "dense", the config fields that decided it).
-      memory: the key layout of transformers' in-memory block (`params_from_hf` / `params_to_hf`).
-      blocks: per checkpoint class, the block's prefix and on-disk layout; the first is what `save_layer` writes.
+      memory: the key names of transformers' in-memory block (`params_from_hf` / `params_to_hf`).
+      blocks: per checkpoint class, the block's prefix and on-disk key names; the first is what `save_layer` writes.
       num_layers: the config field holding the number of decoder layers with one MoE block each at most.
     """
 
@@ -60,15 +60,15 @@ class Family:
     model_types: tuple[str, ...]
     config: Callable[[HFConfig, int | None], dict[str, Any]]
     layer_kind: Callable[[HFConfig, int], tuple[LayerKind, str]]
-    memory: KeyLayout
+    memory: BlockKeys
     blocks: tuple[Block, ...]
     num_layers: str = "num_hidden_layers"
 
     @property
-    def layouts(self) -> tuple[KeyLayout, ...]:
-        """Every layout a block of this family may be in: in memory first, then the on-disk ones."""
+    def block_keys(self) -> tuple[BlockKeys, ...]:
+        """Every `BlockKeys` a block of this family may be in: in memory first, then the on-disk ones."""
         seen = [self.memory]
-        seen += [b.layout for b in self.blocks if b.layout not in seen]
+        seen += [b.keys for b in self.blocks if b.keys not in seen]
         return tuple(seen)
 
 
@@ -77,9 +77,9 @@ class Family:
 _MLP = "model.layers.{layer}.mlp."
 
 
-def _causal_lm(cls: str, layout: KeyLayout, experts: Literal["fused", "per_expert"] = "per_expert") -> tuple[Block]:
+def _causal_lm(cls: str, keys: BlockKeys, experts: Literal["fused", "per_expert"] = "per_expert") -> tuple[Block]:
     """The usual text checkpoint: the block at `model.layers.L.mlp.`."""
-    return (Block(_MLP, layout, cls, experts),)
+    return (Block(_MLP, keys, cls, experts),)
 
 
 def _block_sparse_moe(cls: str) -> tuple[Block, Block]:

@@ -1,5 +1,5 @@
-"""One home for Hugging Face key names: a block's key layout (`KeyLayout`), the spellings of its Linear modules,
-and the layout of every family's in-memory and on-disk blocks (the family records in `moejax.hf.families` name them).
+"""One home for Hugging Face key names: the key names of one MoE block (`BlockKeys`), the spellings of its Linear
+modules, and the `BlockKeys` of every family's in-memory and on-disk blocks (`moejax.hf.families` names them).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ ExpertsKind = Literal["standard", "gpt_oss", "llama4", "stacked_moe"]
 
 
 @dataclasses.dataclass(frozen=True)
-class KeyLayout:
-    """The key names of one MoE block, relative to its prefix.
+class BlockKeys:
+    """The key names of one MoE block, relative to its prefix (messages call it the block's layout).
 
     Attributes:
       name: for messages.
@@ -66,25 +66,25 @@ def linear_names(keys: Iterable[str], prefix: str) -> Names:
     return GATE_UP_DOWN
 
 
-# -- key layouts -----------------------------------------------------------------------------------------------
+# -- the key names of every family's blocks ---------------------------------------------------------------
 
 # Keys of the decoder layer that sit beside the block in layouts whose keys are relative to the decoder layer.
 _DECODER_SIBLINGS = ("self_attn", "input_layernorm", "post_attention_layernorm")
 
-QWEN = KeyLayout("qwen", router="gate.weight", shared_prefix="shared_expert.")
-DEEPSEEK = KeyLayout("deepseek", router="gate.weight", shared_prefix="shared_experts.")
+QWEN = BlockKeys("qwen", router="gate.weight", shared_prefix="shared_expert.")
+DEEPSEEK = BlockKeys("deepseek", router="gate.weight", shared_prefix="shared_experts.")
 # Mixtral's and MiniMax-M2's checkpoints (`block_sparse_moe.`): w1/w3/w2 experts, MiniMax's bias on the block.
-MIXTRAL = KeyLayout(
+MIXTRAL = BlockKeys(
     "mixtral", router="gate.weight", expert_names=W1_W3_W2, correction=("e_score_correction_bias", "gate.bias")
 )
-DEEPSEEK_V4 = KeyLayout(  # the original DeepSeek-V4 release (`layers.L.ffn.`)
+DEEPSEEK_V4 = BlockKeys(  # the original DeepSeek-V4 release (`layers.L.ffn.`)
     "deepseek_v4",
     router="gate.weight",
     correction=("gate.bias", "gate.e_score_correction_bias", "e_score_correction_bias"),
     expert_names=W1_W3_W2,
     shared_names=W1_W3_W2,
 )
-STEP3P7 = KeyLayout(  # Step-3.7 on disk: keys relative to the decoder layer, experts stacked per layer
+STEP3P7 = BlockKeys(  # Step-3.7 on disk: keys relative to the decoder layer, experts stacked per layer
     "step3p7",
     router="moe.gate.weight",
     correction=("moe.router_bias",),
@@ -93,14 +93,14 @@ STEP3P7 = KeyLayout(  # Step-3.7 on disk: keys relative to the decoder layer, ex
     decoder_layer=True,
     ignored=_DECODER_SIBLINGS,
 )
-LONGCAT = KeyLayout(
+LONGCAT = BlockKeys(
     "longcat_flash",
     router="router.classifier.weight",
     correction=("router.e_score_correction_bias",),
     zero_expert_rows=True,
     ignored=("router.classifier.bias",),  # exists with router_bias=True, never applied (FAMILIES.md §19.1)
 )
-GEMMA4 = KeyLayout(  # no block module: router and experts sit on the decoder layer
+GEMMA4 = BlockKeys(  # no block module: router and experts sit on the decoder layer
     "gemma4",
     router="router.proj.weight",
     decoder_layer=True,
@@ -118,12 +118,12 @@ GEMMA4 = KeyLayout(  # no block module: router and experts sit on the decoder la
         "layer_scalar",
     ),
 )
-GPT_OSS = KeyLayout("gpt_oss", router="router.weight", experts="gpt_oss", identify=("router.bias",))
-LLAMA4 = KeyLayout(
+GPT_OSS = BlockKeys("gpt_oss", router="router.weight", experts="gpt_oss", identify=("router.bias",))
+LLAMA4 = BlockKeys(
     "llama4",
     router="router.weight",
     experts="llama4",
     shared_prefix="shared_expert.",
     identify=("shared_expert.down_proj.weight",),
 )
-LAYOUTS = (QWEN, DEEPSEEK, MIXTRAL, DEEPSEEK_V4, STEP3P7, LONGCAT, GEMMA4, GPT_OSS, LLAMA4)
+BLOCK_KEYS = (QWEN, DEEPSEEK, MIXTRAL, DEEPSEEK_V4, STEP3P7, LONGCAT, GEMMA4, GPT_OSS, LLAMA4)

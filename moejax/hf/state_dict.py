@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from moejax.config import MoEConfig, SharedExpert
-from moejax.hf.keys import SHARED_PREFIXES, KeyLayout, linear_names
+from moejax.hf.keys import SHARED_PREFIXES, BlockKeys, linear_names
 from moejax.hf.quant_config import HfQuant
 from moejax.hf.quant_tensors import dequantize_projection, projection_from_hf
 
@@ -121,13 +121,13 @@ class StateDict:
 # -- reading ---------------------------------------------------------------------------------------------------
 
 
-def router_from_hf(sd: StateDict, layout: KeyLayout, cfg: MoEConfig) -> dict[str, np.ndarray]:
+def router_from_hf(sd: StateDict, block_keys: BlockKeys, cfg: MoEConfig) -> dict[str, np.ndarray]:
     H, E, N, K = cfg.hidden_size, cfg.num_experts, cfg.num_selectable, cfg.top_k
-    flat = {"router.kernel": sd.take(layout.router, (N, H)).T}
+    flat = {"router.kernel": sd.take(block_keys.router, (N, H)).T}
     if cfg.router_bias:
         flat["router.bias"] = sd.take("router.bias", (N,))
     if cfg.correction_bias:
-        flat["router.correction_bias"] = sd.take(layout.correction, (N,)).astype(np.float32)
+        flat["router.correction_bias"] = sd.take(block_keys.correction, (N,)).astype(np.float32)
     if cfg.router_prenorm:
         flat["router.scale"] = sd.take("router.scale", (H,))
     if cfg.per_expert_scale:
@@ -146,22 +146,22 @@ def activation_scales(keys: Mapping[str, Any], modules: list[str]) -> set[str]:
     return {m + s for m in modules for s in ("input_scale", "input_global_scale") if m + s in keys}
 
 
-def _shared_prefix_in(sd: StateDict, layout: KeyLayout) -> str:
+def _shared_prefix_in(sd: StateDict, block_keys: BlockKeys) -> str:
     """The layout's shared-MLP prefix, or the other transformers spelling (singular / plural) when that is used."""
-    if layout.decoder_layer:
-        return layout.shared_prefix
+    if block_keys.decoder_layer:
+        return block_keys.shared_prefix
     singular, plural = SHARED_PREFIXES
-    other = plural if layout.shared_prefix == singular else singular
-    return other if not sd.has_prefix(layout.shared_prefix) and sd.has_prefix(other) else layout.shared_prefix
+    other = plural if block_keys.shared_prefix == singular else singular
+    return other if not sd.has_prefix(block_keys.shared_prefix) and sd.has_prefix(other) else block_keys.shared_prefix
 
 
 def shared_from_hf(
-    sd: StateDict, layout: KeyLayout, cfg: MoEConfig, quant: HfQuant | None = None
+    sd: StateDict, block_keys: BlockKeys, cfg: MoEConfig, quant: HfQuant | None = None
 ) -> dict[str, np.ndarray]:
     """The shared MLP, `[in, out]`. With `quant` its Linear modules are stored quantized (DeepSeek-V3's FP8, ...):
     moejax's shared expert is dense, so each is dequantized here on the host, exactly, to float32."""
     H, Is = cfg.hidden_size, cfg.shared_intermediate_size
-    prefix = _shared_prefix_in(sd, layout)
+    prefix = _shared_prefix_in(sd, block_keys)
     gate, up, down = linear_names(sd.raw, prefix)
     flat = {}
     for name, hf_name, shape in (("gate", gate, (Is, H)), ("up", up, (Is, H)), ("down", down, (H, Is))):
@@ -180,9 +180,9 @@ def shared_from_hf(
     return flat
 
 
-def ignored_keys(layout: KeyLayout, cfg: MoEConfig) -> tuple[str, ...]:
-    ignored = layout.ignored
-    if layout.zero_expert_rows:
+def ignored_keys(block_keys: BlockKeys, cfg: MoEConfig) -> tuple[str, ...]:
+    ignored = block_keys.ignored
+    if block_keys.zero_expert_rows:
         # A per-expert save of the in-memory tensor has gate/up weights for the unused zero-expert rows.
         ignored += tuple(
             f"experts.{e}.{n}" for e in range(cfg.num_experts, cfg.num_selectable) for n in ("gate_proj", "up_proj")
@@ -195,18 +195,18 @@ def ignored_keys(layout: KeyLayout, cfg: MoEConfig) -> tuple[str, ...]:
 _SAME_NAME = ("router.bias", "router.scale", "router.per_expert_scale")
 
 
-def block_to_hf(flat: dict[str, np.ndarray], layout: KeyLayout) -> dict[str, np.ndarray]:
+def block_to_hf(flat: dict[str, np.ndarray], block_keys: BlockKeys) -> dict[str, np.ndarray]:
     """moejax's flat stacked arrays (`moejax.params.flatten`) -> the layout's keys, relative to the block, all but
     the routed experts' (`moejax.hf.expert_tensors.experts_to_hf`)."""
-    hf = {layout.router: flat["router.kernel"].T}
+    hf = {block_keys.router: flat["router.kernel"].T}
     hf |= {name: flat[name] for name in _SAME_NAME if name in flat}
     if "router.correction_bias" in flat:
-        hf[layout.correction[0]] = flat["router.correction_bias"]
+        hf[block_keys.correction[0]] = flat["router.correction_bias"]
     if "router.tid2eid" in flat:
         hf["gate.tid2eid"] = flat["router.tid2eid"]
     if "shared.gate" in flat:
-        for name, hf_name in zip(("gate", "up", "down"), layout.shared_names, strict=True):
-            hf[f"{layout.shared_prefix}{hf_name}.weight"] = flat[f"shared.{name}"].T
+        for name, hf_name in zip(("gate", "up", "down"), block_keys.shared_names, strict=True):
+            hf[f"{block_keys.shared_prefix}{hf_name}.weight"] = flat[f"shared.{name}"].T
     if "shared.gate_kernel" in flat:
         hf["shared_expert_gate.weight"] = flat["shared.gate_kernel"].T
     if "expert_norm" in flat:

@@ -3,7 +3,7 @@
 One `Scheme` (data) per format; `quantized_format(kind, ...)` builds its `ExpertFormat` class (cached: one scheme,
 one class, one pytree type). Weights stay packed; one expert's projection is dequantized (float32 scale math) inside
 the computation that uses it. Arrays are `[in, out]` with groups along `in`, codes stored unsigned as on disk.
-The layouts and the math: docs/FORMATS.md; why `[in, out]`: docs/DESIGN.md.
+The layouts, the math and why `[in, out]`: docs/FORMATS.md ("In memory").
 """
 
 from __future__ import annotations
