@@ -19,7 +19,7 @@ import numpy as np
 from moejax.config import MoEConfig
 from moejax.hf.keys import GATE_UP_DOWN, W1_W3_W2, BlockKeys, ExpertsKind, linear_names
 from moejax.hf.quant_config import HfQuant
-from moejax.hf.quant_tensors import _BYTES, _E8M0, per_expert_fields, per_expert_to_hf, take
+from moejax.hf.quant_tensors import BYTES, E8M0, per_expert_fields, per_expert_to_hf, take
 from moejax.hf.state_dict import Reads, StateDict, activation_scales, to_numpy
 from moejax.quantized.formats import QuantizedExperts, quantized_format
 from moejax.weights import (
@@ -92,8 +92,8 @@ def fields_from_hf_tensors(tensors: Mapping[str, Any], cfg, quant: HfQuant) -> d
         ("experts.down_proj", ("down",), (H, I)),
     ):
         scheme.check_dims(n_in, f"{fused}_blocks (in={n_in})")
-        blocks = take(tensors, f"{fused}_blocks", (E, n_out, n_in // 32, 16), dtypes=_BYTES)
-        scales = take(tensors, f"{fused}_scales", (E, n_out, n_in // 32), dtypes=_E8M0).view(np.uint8)
+        blocks = take(tensors, f"{fused}_blocks", (E, n_out, n_in // 32, 16), dtypes=BYTES)
+        scales = take(tensors, f"{fused}_scales", (E, n_out, n_in // 32), dtypes=E8M0).view(np.uint8)
         for k, arr in (("q", blocks.reshape(E, n_out, n_in // 2)), ("scale", scales)):
             split = split_gate_up("gpt_oss", arr, 1) if len(parts) == 2 else (arr,)  # [E, out, ...] each
             for p, part in zip(parts, split, strict=True):

@@ -22,12 +22,12 @@ from pallas_kernels.codecs import pack_nibbles, unpack_nibbles
 # The dtypes each on-disk tensor may have. The stored dtype decides how the bytes are decoded: a tensor of another
 # dtype is refused, never cast or reinterpreted (an FP8 e5m2 weight read as e4m3 gives other values, a float32
 # weight_packed cast to int32 loses its bit pattern).
-_FLOATS = tuple(np.dtype(t) for t in (np.float32, np.float16, ml_dtypes.bfloat16))  # exact in float32
-_E4M3 = (np.dtype(ml_dtypes.float8_e4m3fn),)
-_BYTES = (np.dtype(np.uint8),)  # packed e2m1 nibble pairs
-_E8M0 = (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e8m0fnu))  # the same encoding either way
-_INT32 = (np.dtype(np.int32), np.dtype(np.uint32))  # compressed-tensors' packed int32 words
-_INTS = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64))
+FLOATS = tuple(np.dtype(t) for t in (np.float32, np.float16, ml_dtypes.bfloat16))  # exact in float32
+E4M3 = (np.dtype(ml_dtypes.float8_e4m3fn),)
+BYTES = (np.dtype(np.uint8),)  # packed e2m1 nibble pairs
+E8M0 = (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e8m0fnu))  # the same encoding either way
+INT32 = (np.dtype(np.int32), np.dtype(np.uint32))  # compressed-tensors' packed int32 words
+INTS = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64))
 
 
 def take(
@@ -89,9 +89,9 @@ def projection_from_hf(
         )
     if scheme.kind == "fp8_block":
         grid = (-(-n_out // FP8_BLOCK), -(-n_in // FP8_BLOCK))
-        q = take(tensors, f"{prefix}weight", (n_out, n_in), dtypes=_E4M3)
+        q = take(tensors, f"{prefix}weight", (n_out, n_in), dtypes=E4M3)
         scale_key = f"{prefix}weight_scale_inv" if source == "deepseek" else f"{prefix}weight_scale"
-        scale = take(tensors, scale_key, None, dtypes=_FLOATS)
+        scale = take(tensors, scale_key, None, dtypes=FLOATS)
         if tuple(scale.shape) != grid:
             raise ValueError(
                 f"{scale_key}: scale grid {tuple(scale.shape)} does not match weight [{n_out}, {n_in}] in 128x128 "
@@ -102,19 +102,19 @@ def projection_from_hf(
     scale_key = f"{prefix}weight_scale"
     if scheme.kind == "int":
         bits = scheme.bits
-        packed = take(tensors, f"{prefix}weight_packed", (n_out, -(-n_in * bits // 32)), dtypes=_INT32)
+        packed = take(tensors, f"{prefix}weight_packed", (n_out, -(-n_in * bits // 32)), dtypes=INT32)
         if f"{prefix}weight_shape" in tensors:
-            shape = tuple(int(v) for v in take(tensors, f"{prefix}weight_shape", None, dtypes=_INTS).reshape(-1))
+            shape = tuple(int(v) for v in take(tensors, f"{prefix}weight_shape", None, dtypes=INTS).reshape(-1))
             if shape != (n_out, n_in):
                 raise ValueError(f"{prefix}weight_shape: {shape}, expected {(n_out, n_in)}")
         g_idx_key = f"{prefix}weight_g_idx"
         if g_idx_key in tensors:
-            g_idx = take(tensors, g_idx_key, None, dtypes=_INTS).reshape(-1)
+            g_idx = take(tensors, g_idx_key, None, dtypes=INTS).reshape(-1)
             if not np.array_equal(g_idx, np.arange(n_in) // scheme.group(n_in)):
                 raise NotImplementedError(f"{g_idx_key}: act-order (a permuted group index) is not supported")
         codes = _codes_of_stream(_bytes_of_int32_rows(packed), bits, n_in)  # [out, in] unsigned q + 2^(b-1)
         q = np.ascontiguousarray(codes.T) if bits == 8 else pack_nibbles(codes.T)
-        scale = take(tensors, scale_key, None, dtypes=_FLOATS)
+        scale = take(tensors, scale_key, None, dtypes=FLOATS)
         if tuple(scale.shape) != (n_out, G):
             raise ValueError(
                 f"{scale_key}: scale grid {tuple(scale.shape)} does not match weight [{n_out}, {n_in}] in groups "
@@ -123,13 +123,13 @@ def projection_from_hf(
         out = {"q": q, "scale": scale.astype(np.float32).T}
         if not scheme.symmetric:
             zp_shape = (-(-n_out * bits // 32), G)
-            zp = take(tensors, zp_key, zp_shape, " (asymmetric scheme: a zero point is required)", _INT32)
+            zp = take(tensors, zp_key, zp_shape, " (asymmetric scheme: a zero point is required)", INT32)
             zp_codes = _codes_of_stream(_bytes_of_int32_rows(zp.T), bits, n_out)  # [G, out]
             out["zero"] = (zp_codes.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
         return out
     weight_key = f"{prefix}weight" if source == "modelopt" else f"{prefix}weight_packed"
-    packed = take(tensors, weight_key, (n_out, n_in // 2), dtypes=_BYTES)
-    scale = take(tensors, scale_key, None, dtypes=_E8M0 if scheme.kind == "mxfp4" else _E4M3)
+    packed = take(tensors, weight_key, (n_out, n_in // 2), dtypes=BYTES)
+    scale = take(tensors, scale_key, None, dtypes=E8M0 if scheme.kind == "mxfp4" else E4M3)
     if tuple(scale.shape) != (n_out, G):
         raise ValueError(
             f"{scale_key}: scale grid {tuple(scale.shape)} does not match weight [{n_out}, {n_in}] in groups of "
@@ -142,14 +142,14 @@ def projection_from_hf(
     out["scale"] = scale.T
     if source == "modelopt":
         key = f"{prefix}weight_scale_2"
-        s2 = take(tensors, key, None, " (NVFP4: the per-tensor scale is required)", _FLOATS)
+        s2 = take(tensors, key, None, " (NVFP4: the per-tensor scale is required)", FLOATS)
         s2 = s2.astype(np.float32).reshape(-1)
         if s2.size != 1:
             raise ValueError(f"{key}: expected one value, got shape {s2.shape}")
         out["scale2"] = np.asarray(s2[0], np.float32)
     else:
         key = f"{prefix}weight_global_scale"
-        gs = take(tensors, key, None, " (NVFP4: the global scale is required)", _FLOATS)
+        gs = take(tensors, key, None, " (NVFP4: the global scale is required)", FLOATS)
         gs = gs.astype(np.float32).reshape(-1)
         if gs.size != 1:
             raise ValueError(f"{key}: expected one value, got shape {gs.shape}")
