@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from moejax import hf, lora, moe_forward
-from moejax.hf import adapter as adapter_mod
+from moejax.hf import adapter_config as adapter_mod
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 

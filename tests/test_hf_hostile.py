@@ -19,6 +19,8 @@ from safetensors.numpy import save_file
 import moejax
 from moejax import hf
 from moejax import quantized as Q
+from moejax.hf import expert_tensors as ET
+from moejax.hf import quant_config as QC
 
 H, I, E, K = 8, 4, 4, 2
 QH, QI = 32, 32  # quantized cases: multiples of the int4 / NVFP4 groups
@@ -220,7 +222,7 @@ def _quantized_checkpoint(path, dense_params, name, mutate=None, qc=None):
     config, cfg, dense = dense_params
     (fmt, options), source, default_qc = _QUANTIZED[name]
     qparams = moejax.quantize(dense, cfg, fmt, **options)
-    block = dict(Q.format_to_hf_tensors(qparams.experts, Q.HfQuant(Q.format_of(qparams.experts), source)))
+    block = dict(ET.format_to_hf_tensors(qparams.experts, QC.HfQuant(Q.format_of(qparams.experts), source)))
     block["gate.weight"] = np.asarray(dense.router.kernel).T
     if mutate is not None:
         mutate(block)

@@ -3,8 +3,8 @@ layout of docs/FORMATS.md (DeepSeek-V3 FP8 with shared experts, compressed-tenso
 FP8_BLOCK / NVFP4A16 / MXFP4A16, gpt-oss MXFP4, ModelOpt NVFP4 with hf_quant_config.json), sharded over three files
 with an index. H = 160 and I = 96 are not multiples of 128: partial FP8 blocks.
 
-The expert tensors are written with `moejax.quantized.format_to_hf_tensors` (checked against numpy dequantizers
-from the spec in tests/test_quantized.py); the DeepSeek shared expert is checked here against its own numpy
+The expert tensors are written with `moejax.hf.expert_tensors.format_to_hf_tensors` (checked against numpy
+dequantizers from the spec in tests/test_quantized.py); the DeepSeek shared expert is checked here against its own numpy
 dequantizer."""
 
 import json
@@ -20,6 +20,9 @@ from safetensors.numpy import save_file
 import moejax
 from moejax import hf
 from moejax import quantized as Q
+from moejax.hf import expert_tensors as ET
+from moejax.hf import quant_config as QC
+from moejax.hf import quant_tensors as QT
 
 H, I, E, K = 160, 96, 4, 2
 N_LAYERS = 2
@@ -132,7 +135,7 @@ def _deepseek_shared(rng, layer_prefix: str) -> tuple[dict, dict]:
     for name, (out, inn) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
         w = (rng.standard_normal((inn, out)) / np.sqrt(inn)).astype(np.float32)
         fields = Q.quantize_projection(w, scheme)
-        disk = Q.projection_to_hf(fields, f"shared_experts.{name}.", scheme, "deepseek")
+        disk = QT.projection_to_hf(fields, f"shared_experts.{name}.", scheme, "deepseek")
         tensors |= {layer_prefix + k: v for k, v in disk.items()}
         q = disk[f"shared_experts.{name}.weight"].astype(np.float64)  # [out, in]
         s = disk[f"shared_experts.{name}.weight_scale_inv"].astype(np.float64)
@@ -152,9 +155,9 @@ def write_checkpoint(path, name, *, mutate=None, shards=3, seed=0):
         cfg = hf.config_from_hf(config, layer)
         dense = moejax.init_params(cfg, jax.random.key(seed + layer), layout="stacked")
         qparams = moejax.quantize(dense, cfg, fmt_name, **options)
-        quant = Q.HfQuant(Q.format_of(qparams.experts), source)
+        quant = QC.HfQuant(Q.format_of(qparams.experts), source)
         prefix = _prefix(name, layer)
-        block = {k: np.asarray(v) for k, v in Q.format_to_hf_tensors(qparams.experts, quant).items()}
+        block = {k: np.asarray(v) for k, v in ET.format_to_hf_tensors(qparams.experts, quant).items()}
         if text is _MIXTRAL:
             block = {re.sub(r"\.(\w+_proj)\.", lambda m: f".{_W1_W3_W2[m[1]]}.", k): v for k, v in block.items()}
         router = np.asarray(dense.router.kernel).T.astype(ml_dtypes.bfloat16)
@@ -433,9 +436,9 @@ def test_dense_experts_saved_into_a_quantized_checkpoint_are_ignored_by_the_conf
 
 @pytest.mark.parametrize("name", ["w4a16_asym", "nvfp4a16", "mxfp4a16"])  # FP8: test_load_layer_keeps_experts_quantized
 def test_host_dequantizer_of_a_shared_expert_equals_the_format(name):
-    """`moejax.hf.quant.dequantize_projection` (numpy, for a quantized shared expert) against the format's own
+    """`moejax.hf.quant_tensors.dequantize_projection` (numpy, for a quantized shared expert) against the format's own
     dequantization, bit for bit."""
-    from moejax.hf.quant import dequantize_projection
+    from moejax.hf.quant_tensors import dequantize_projection
 
     cfg = hf.config_from_hf(_config(name), 0)
     fmt_name, options = CASES[name][3]

@@ -19,6 +19,9 @@ import moejax
 import moejax.bench
 from moejax import parallel
 from moejax import quantized as Q
+from moejax.hf import expert_tensors as ET
+from moejax.hf import quant_config as QC
+from moejax.hf import quant_tensors as QT
 from moejax.params import with_experts_layout
 
 # (format name, options, on-disk sources to check)
@@ -82,11 +85,21 @@ def test_nibble_and_int32_packing_round_trip():
     np.testing.assert_array_equal(Q.unpack_nibbles(packed), codes)
     # compressed-tensors int32 rows: element j at bits 4j.. of a little-endian stream; 12 nibbles -> 2 int32
     row = rng.integers(0, 16, (3, 12), dtype=np.uint8)
-    words = Q._int32_rows_of_bytes(Q._stream_of_codes(row, 4))
+    words = QT._int32_rows_of_bytes(QT._stream_of_codes(row, 4))
     assert words.shape == (3, 2) and words.dtype == np.int32
     want = sum(int(row[0, j]) << (4 * j) for j in range(8))
     assert words[0, 0] == np.array(want, np.uint32).view(np.int32)
-    np.testing.assert_array_equal(Q._codes_of_stream(Q._bytes_of_int32_rows(words), 4, 12), row)
+    np.testing.assert_array_equal(QT._codes_of_stream(QT._bytes_of_int32_rows(words), 4, 12), row)
+
+
+def test_each_scheme_names_its_kernel_kind():
+    """The kernels' kind is read off the scheme (one attribute, no translation table elsewhere)."""
+    from pallas_kernels.quantized_weights import KINDS
+
+    kinds = {name: Q.format_by_name(name).scheme.kernel_kind for name in Q.FORMAT_NAMES}
+    assert kinds == {"int8": "int8", "int4": "int4", "fp8_block": "fp8_block", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
+    assert set(kinds.values()) == set(KINDS)
+    assert Q.format_by_name("int4", group_size=None, symmetric=False).scheme.kernel_kind == "int4"
 
 
 # -- the on-disk layouts against numpy written from the spec ----------------------------------------------------
@@ -146,9 +159,9 @@ CASES = [(key, source) for key, (_, _, sources) in FORMATS.items() for source in
 def test_layout_round_trip_and_numpy_dequantizer(key, source):
     family = "gpt_oss" if source == "gpt-oss" else "qwen3_moe"
     cfg, _, qparams = _quantized(key, family)
-    quant = Q.HfQuant(Q.format_of(qparams.experts), source)
-    tensors = Q.format_to_hf_tensors(qparams.experts, quant)
-    back = Q.format_from_hf_tensors(tensors, cfg, quant, layout="stacked")
+    quant = QC.HfQuant(Q.format_of(qparams.experts), source)
+    tensors = ET.format_to_hf_tensors(qparams.experts, quant)
+    back = ET.format_from_hf_tensors(tensors, cfg, quant, layout="stacked")
     for name, value in qparams.experts.fields().items():  # bit-exact round trip
         if name.endswith("scale2") and source == "compressed-tensors":  # stored as its reciprocal: 1 ulp
             np.testing.assert_allclose(getattr(back, name), value, rtol=2**-23)
@@ -284,31 +297,31 @@ def _ct(weights: dict, fmt: str = "pack-quantized") -> dict:
 
 def test_format_from_config():
     w4 = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}
-    assert Q.format_from_config(_ct(w4)).fmt is Q.format_by_name("int4", group_size=128)
+    assert QC.format_from_config(_ct(w4)).fmt is Q.format_by_name("int4", group_size=128)
     w8 = {**w4, "num_bits": 8, "symmetric": False}
-    assert Q.format_from_config(_ct(w8)).fmt is Q.format_by_name("int8", group_size=128, symmetric=False)
+    assert QC.format_from_config(_ct(w8)).fmt is Q.format_by_name("int8", group_size=128, symmetric=False)
     fp8 = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}
-    assert Q.format_from_config(_ct(fp8, "float-quantized")) == Q.HfQuant(
+    assert QC.format_from_config(_ct(fp8, "float-quantized")) == QC.HfQuant(
         Q.format_by_name("fp8_block"), "compressed-tensors"
     )
     nv = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
-    assert Q.format_from_config(_ct(nv, "nvfp4-pack-quantized")).fmt is Q.format_by_name("nvfp4")
+    assert QC.format_from_config(_ct(nv, "nvfp4-pack-quantized")).fmt is Q.format_by_name("nvfp4")
     mx = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}
-    assert Q.format_from_config(_ct(mx, "mxfp4-pack-quantized")).fmt is Q.format_by_name("mxfp4")
+    assert QC.format_from_config(_ct(mx, "mxfp4-pack-quantized")).fmt is Q.format_by_name("mxfp4")
     ds = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    assert Q.format_from_config(ds).source == "deepseek"
-    assert Q.format_from_config({"quant_method": "mxfp4", "modules_to_not_convert": []}).source == "gpt-oss"
+    assert QC.format_from_config(ds).source == "deepseek"
+    assert QC.format_from_config({"quant_method": "mxfp4", "modules_to_not_convert": []}).source == "gpt-oss"
     modelopt = {"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": []}}
-    assert Q.format_from_config(None, modelopt) == Q.HfQuant(Q.format_by_name("nvfp4"), "modelopt")
-    assert Q.format_from_config({"quant_method": "modelopt", "quant_algo": "NVFP4"}).source == "modelopt"
-    assert Q.format_from_config(None) is None
+    assert QC.format_from_config(None, modelopt) == QC.HfQuant(Q.format_by_name("nvfp4"), "modelopt")
+    assert QC.format_from_config({"quant_method": "modelopt", "quant_algo": "NVFP4"}).source == "modelopt"
+    assert QC.format_from_config(None) is None
 
 
 def test_errors_name_the_key():
     with pytest.raises(ValueError, match="quant_method='awq' is not one of"):
-        Q.format_from_config({"quant_method": "awq"})
+        QC.format_from_config({"quant_method": "awq"})
     with pytest.raises(ValueError, match="group_size=None"):
-        Q.format_from_config(_ct({"num_bits": 4, "type": "int", "strategy": "group", "group_size": None}))
+        QC.format_from_config(_ct({"num_bits": 4, "type": "int", "strategy": "group", "group_size": None}))
     cfg, dense, _ = _quantized("int4")
     with pytest.raises(ValueError, match=r"group size 80 does not divide in=96 of experts\.down"):
         moejax.quantize(dense, cfg, "int4", group_size=80)
@@ -317,33 +330,33 @@ def test_errors_name_the_key():
 
     def tensors_of(key, source):
         cfg, _, qparams = _quantized(key)
-        quant = Q.HfQuant(Q.format_of(qparams.experts), source)
-        return cfg, quant, dict(Q.format_to_hf_tensors(qparams.experts, quant))
+        quant = QC.HfQuant(Q.format_of(qparams.experts), source)
+        return cfg, quant, dict(ET.format_to_hf_tensors(qparams.experts, quant))
 
     cfg, quant, t = tensors_of("int4_asym", "compressed-tensors")
     del t["experts.3.up_proj.weight_zero_point"]
     with pytest.raises(ValueError, match=r"missing tensor 'experts.3.up_proj.weight_zero_point' \(asymmetric"):
-        Q.format_from_hf_tensors(t, cfg, quant)
+        ET.format_from_hf_tensors(t, cfg, quant)
     cfg, quant, t = tensors_of("int4", "compressed-tensors")
     t["experts.0.gate_proj.weight_scale"] = t["experts.0.gate_proj.weight_scale"][:, :-1]
     with pytest.raises(ValueError, match=r"experts.0.gate_proj.weight_scale: scale grid \(96, 9\) does not match"):
-        Q.format_from_hf_tensors(t, cfg, quant)
+        ET.format_from_hf_tensors(t, cfg, quant)
     cfg, quant, t = tensors_of("fp8_block", "deepseek")
     t["experts.2.down_proj.weight_scale_inv"] = np.ones((1, 1), np.float32)
     with pytest.raises(ValueError, match=r"down_proj.weight_scale_inv: scale grid \(1, 1\) does not match .* \(2, 1\)"):
-        Q.format_from_hf_tensors(t, cfg, quant)
+        ET.format_from_hf_tensors(t, cfg, quant)
     cfg, quant, t = tensors_of("nvfp4", "compressed-tensors")
     del t["experts.1.down_proj.weight_global_scale"]
     with pytest.raises(ValueError, match=r"missing tensor 'experts\.1\.down_proj\.weight_global_scale'"):
-        Q.format_from_hf_tensors(t, cfg, quant)
+        ET.format_from_hf_tensors(t, cfg, quant)
     cfg, quant, t = tensors_of("nvfp4", "modelopt")
     del t["experts.1.gate_proj.weight_scale_2"]
     with pytest.raises(ValueError, match=r"missing tensor 'experts\.1\.gate_proj\.weight_scale_2'"):
-        Q.format_from_hf_tensors(t, cfg, quant)
+        ET.format_from_hf_tensors(t, cfg, quant)
     cfg, quant, t = tensors_of("int8", "compressed-tensors")
     t["experts.0.up_proj.weight_packed"] = t["experts.0.up_proj.weight_packed"][:, 1:]
     with pytest.raises(ValueError, match=r"experts.0.up_proj.weight_packed: expected shape \(96, 40\), got \(96, 39\)"):
-        Q.format_from_hf_tensors(t, cfg, quant)
+        ET.format_from_hf_tensors(t, cfg, quant)
     bad = dataclasses.replace(_quantized("int8")[2].experts, up_scale=jnp.zeros((8, 3, 96), jnp.float32))
     with pytest.raises(ValueError, match=r"params.experts.up_scale: expected shape \(8, 10, 96\)"):
         moejax.weights.check_experts(bad, cfg)

@@ -5,7 +5,7 @@ The one-call path: `cfg, params = moejax.hf.load_layer("path/to/model", 3)` read
 prefix to know. `load_layers` does every MoE layer, reading each shard once; `save_layer` writes a block back
 (a transaction: `moejax.hf.transaction`).
 Quantized checkpoints (config.json's `quantization_config` or ModelOpt's `hf_quant_config.json`) load with their
-routed experts still quantized (`moejax.quantized`, docs/FORMATS.md) and save back in their own layout.
+routed experts still quantized (`moejax.quantized`, docs/FORMATS.md) and save back in their own on-disk form.
 
 Below it, the prefix-level API:
 
@@ -20,11 +20,13 @@ PEFT LoRA adapters: `load_adapter(adapter_dir, cfg, layer_idx)` -> `moejax.LoRAP
 transformers 5 module names; docs/LORA.md), `save_adapter` writes one back (merged into an existing adapter).
 
 Everything about a family (model types, config mapping, MoE layers, block prefixes per checkpoint class, key
-layouts) is one record in `moejax.hf.families.FAMILY_RECORDS`.
+names) is one record in `moejax.hf.families.FAMILY_RECORDS`; every key name and spelling is in `moejax.hf.keys`.
 """
 
-from moejax.hf.adapter import load_adapter, save_adapter
-from moejax.hf.checkpoint import layer_tensors, load_layer, load_layers, load_safetensors, save_layer
+from moejax.hf.adapter_load import load_adapter
+from moejax.hf.adapter_save import save_adapter
+from moejax.hf.checkpoint import load_layer, load_layers, load_safetensors
+from moejax.hf.checkpoint_save import layer_tensors, save_layer
 from moejax.hf.configs import config_from_hf, is_moe_layer, moe_layer_indices
 from moejax.hf.convert import params_from_hf, params_to_hf
 from moejax.hf.families import BY_MODEL_TYPE, FAMILY_RECORDS, Block, Family

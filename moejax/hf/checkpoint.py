@@ -3,43 +3,33 @@
 `load_layer(dir, L)` reads `config.json`, takes the family record of its `model_type`, finds which of the
 record's checkpoint classes the directory holds (the block prefix whose router key is present for layer L),
 and reads that block's tensors alone, shard by shard. `load_layers` does every MoE layer, reading each shard
-once. `save_layer` writes a block back under the family's on-disk keys. A quantized checkpoint's routed experts
-stay quantized both ways (`moejax.hf.quant`).
+once (`moejax.hf.checkpoint_save` writes a block back). A quantized checkpoint's routed experts stay quantized
+(`moejax.hf.quant_config`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
 from moejax.config import MoEConfig
 from moejax.hf import files as shards
-from moejax.hf import quant as hfquant
-from moejax.hf import transaction
-from moejax.hf.configs import (
-    config_from_hf,
-    family_config,
-    is_composite,
-    layer_kind,
-    moe_layer_indices,
-    num_layers,
-)
-from moejax.hf.convert import block_quant_of, layout_of, params_from_layout, params_to_hf
+from moejax.hf import quant_config
+from moejax.hf.configs import config_from_hf, family_config, layer_kind, moe_layer_indices, num_layers
+from moejax.hf.convert import block_keys_of, block_quant_of, params_of_block
 from moejax.hf.families import Block, Family
-from moejax.hf.hfconfig import as_dict
-from moejax.hf.layouts import StateDict
-from moejax.hf.quant import BlockQuant
+from moejax.hf.keys import SHARED_PREFIXES
+from moejax.hf.quant_config import BlockQuant
+from moejax.hf.state_dict import StateDict
 from moejax.params import MoEParams
-from moejax.quantized import HfQuant, QuantizedExperts
-from moejax.weights import Layout, as_stacked
+from moejax.weights import Layout
 
 CONFIG = "config.json"
 Checkpoint = str | os.PathLike
@@ -49,7 +39,7 @@ Checkpoint = str | os.PathLike
 
 
 def _block_keys(block: Block) -> tuple[str, ...]:
-    return (block.layout.router, *block.layout.identify)
+    return (block.keys.router, *block.keys.identify)
 
 
 def find_block(family: Family, keys: Mapping[str, Any] | set[str], layer: int) -> Block | None:
@@ -66,7 +56,7 @@ def moe_prefixes(family: Family, keys: Iterable[str]) -> list[str]:
     patterns = []
     for block in family.blocks:
         prefix = re.escape(block.prefix).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
-        patterns.append(re.compile(f"(?P<prefix>{prefix}){re.escape(block.layout.router)}$"))
+        patterns.append(re.compile(f"(?P<prefix>{prefix}){re.escape(block.keys.router)}$"))
     found: dict[str, int] = {}
     for key in keys:
         for pattern in patterns:
@@ -116,7 +106,7 @@ class _Opened:
         self.hf_config = shards.read_json(config_path, "config")
         self.path = path
         self.family, self.text = family_config(self.hf_config)
-        self.quant = hfquant.read(path, self.hf_config)
+        self.quant = quant_config.read(path, self.hf_config)
         self.weight_map = shards.weight_map(path)
 
     def prefixes(self) -> list[str]:
@@ -148,11 +138,11 @@ class _Opened:
             raise ValueError(f"{what} is a dense MLP ({reason}), not an MoE block; {_listing(self.prefixes())}")
         block = find_block(self.family, self.weight_map, layer)
         if block is None:
-            looked = ", ".join(f"{b.at(layer)}{b.layout.router} ({b.checkpoint})" for b in self.family.blocks)
+            looked = ", ".join(f"{b.at(layer)}{b.keys.router} ({b.checkpoint})" for b in self.family.blocks)
             raise ValueError(f"{what}: no MoE block found; looked for {looked}; {_listing(self.prefixes())}")
         prefix = block.at(layer)
         # Under a decoder-layer prefix (Gemma-4, Step-3.7) the layer's other modules are not read.
-        keys = [k for k in self.weight_map if k.startswith(prefix) and block.layout.owns(k[len(prefix) :])]
+        keys = [k for k in self.weight_map if k.startswith(prefix) and block.keys.owns(k[len(prefix) :])]
         return config_from_hf(self.hf_config, layer), block, keys
 
     def block_quant(self, layer: int, block: Block, keys: list[str]) -> BlockQuant | None:
@@ -166,7 +156,7 @@ class _Opened:
             return None
         prefix = block.at(layer)
         found = {}
-        for part, starts in (("experts", ("experts.",)), ("shared", ("shared_expert.", "shared_experts."))):
+        for part, starts in (("experts", ("experts.",)), ("shared", SHARED_PREFIXES)):
             modules = sorted({k.rsplit(".", 1)[0] for k in keys if k[len(prefix) :].startswith(starts)})
             quantized = [self.quant.quantizes(m) for m in modules]
             if any(quantized) and not all(quantized):
@@ -190,9 +180,7 @@ def _quantized_tensor(key: str, quant: BlockQuant | None) -> bool:
     """A quantized module's codes or scales (never cast); its biases are ordinary tensors."""
     if quant is None or key.endswith("bias"):
         return False
-    return (quant.experts and key.startswith("experts.")) or (
-        quant.shared and key.startswith(("shared_expert.", "shared_experts."))
-    )
+    return (quant.experts and key.startswith("experts.")) or (quant.shared and key.startswith(SHARED_PREFIXES))
 
 
 def _cast(
@@ -220,9 +208,9 @@ def _params(
 ) -> MoEParams:
     prefix = block.at(layer)
     relative = {key[len(prefix) :]: value for key, value in tensors.items()}
-    relative = _cast(relative, dtype, block.layout.correction, quant)
+    relative = _cast(relative, dtype, block.keys.correction, quant)
     try:
-        params = params_from_layout(StateDict(relative), cfg, block.layout, layout, quant)
+        params = params_of_block(StateDict(relative), cfg, block.keys, layout, quant)
     except (ValueError, NotImplementedError) as e:
         raise type(e)(f"layer {layer} ({block.checkpoint}, prefix {prefix!r}): {e}") from None
     if dtype is not None and quant is not None and quant.shared:  # dequantized to float32 on the host
@@ -363,259 +351,5 @@ def load_safetensors(
     for path, file_keys in grouped.items():
         tensors |= shards.read_file(path, file_keys)
     sd = StateDict({key[len(prefix) :]: value for key, value in tensors.items()})
-    key_layout = layout_of(sd.raw, family)
-    return params_from_layout(sd, cfg, key_layout, layout, block_quant_of(sd, key_layout, quantization_config))
-
-
-# -- saving ----------------------------------------------------------------------------------------------------
-
-
-def _block_for(family: Family, checkpoint_class: str | None, composite: bool) -> Block:
-    """The named checkpoint class, or the first one that goes with a composite (multimodal) or text config."""
-    if checkpoint_class is None:
-        return next(b for b in family.blocks if b.composite in (None, composite))
-    for block in family.blocks:
-        if block.checkpoint == checkpoint_class:
-            return block
-    known = [b.checkpoint for b in family.blocks]
-    raise ValueError(f"{family.name} has no checkpoint class {checkpoint_class!r}; known: {known}")
-
-
-def layer_tensors(
-    params: MoEParams,
-    hf_config: Any,
-    layer_idx: int,
-    *,
-    checkpoint_class: str | None = None,
-    experts: Literal["fused", "per_expert"] | None = None,
-    hf_quant_config: Mapping[str, Any] | None = None,
-) -> dict[str, np.ndarray]:
-    """The block of `layer_idx` as a checkpoint holds it: full keys (with the block prefix) -> numpy arrays.
-
-    `checkpoint_class` picks one of the family record's checkpoint classes (default: the first that goes with
-    `hf_config`, text or multimodal); `experts` overrides how that class stores the routed experts. Quantized
-    experts are written in the on-disk layout of `hf_config`'s `quantization_config` (or of ModelOpt's
-    `hf_quant_config`); the shared expert and router are written dense.
-    """
-    family, _ = family_config(hf_config)
-    block = _block_for(family, checkpoint_class, is_composite(hf_config))
-    quant = hfquant.from_configs(as_dict(hf_config), hf_quant_config)
-    hf = quant.hf if quant is not None else None
-    return _block_tensors(params, config_from_hf(hf_config, layer_idx), block, layer_idx, experts, hf)
-
-
-def _block_tensors(
-    params: MoEParams,
-    cfg: MoEConfig,
-    block: Block,
-    layer: int,
-    experts: Literal["fused", "per_expert"] | None,
-    quant: HfQuant | None = None,
-) -> dict[str, np.ndarray]:
-    try:
-        relative = params_to_hf(params, cfg, experts or block.experts, key_layout=block.layout, quant=quant)
-    except (ValueError, NotImplementedError) as e:
-        raise type(e)(f"layer {layer} ({block.checkpoint}): {e}") from None
-    prefix = block.at(layer)
-    return {prefix + key: np.ascontiguousarray(value) for key, value in relative.items()}
-
-
-def save_layer(
-    checkpoint: Checkpoint,
-    layer_idx: int,
-    params: MoEParams,
-    *,
-    hf_config: Any = None,
-    checkpoint_class: str | None = None,
-    experts: Literal["fused", "per_expert"] | None = None,
-) -> str:
-    """Write the MoE block of `layer_idx` into a checkpoint directory, in the family's on-disk layout.
-
-    The block goes where the checkpoint already keeps that layer's block (else at the prefix of
-    `checkpoint_class`, by default the first class of the family record that goes with the config), into its own
-    shard `model-moejax-layer-{L:05d}.safetensors` (`...-{L:05d}-v1.safetensors` when that name is in use);
-    `model.safetensors.index.json` is written or updated (created from the existing `.safetensors` files if there
-    was none) and the old block's tensors leave the other shards, so `from_pretrained` and `load_layer` see the
-    new block only. `hf_config` (a transformers config or its dict) becomes `config.json` when given; otherwise
-    the directory's `config.json` is used.
-
-    The save is a transaction (`moejax.hf.transaction`): everything is validated first (a wrong `hf_config`
-    raises before anything is written); new shards are written to temporary files and fsynced, a shard that
-    loses the old block's tensors is rewritten under a new name (never edited in place); the index then
-    `config.json` / `hf_quant_config.json` are swapped in with `os.replace`; old shards are removed after.
-    A reader sees the whole old checkpoint or the whole new one, a crash leaves at most temporary files (the
-    next save removes them), and a retry after any failure succeeds. A lock file (`.moejax.lock`) serialises
-    writers of one directory. Files that are symlinks (a Hugging Face cache snapshot) are replaced by regular
-    files, never written through. (When the ignore list of a quantized checkpoint changes, the index and
-    config.json are two renames: between them `load_layer` refuses the block rather than misreading it.)
-
-    Quantized checkpoints: the format comes from the checkpoint's config (`quantization_config` of `hf_config` or
-    of the directory's `config.json`, or ModelOpt's `hf_quant_config.json` in the directory); quantized routed
-    experts must be in that format and are written in its on-disk layout, so load -> save -> load is exact. No
-    quantization config is invented: saving quantized params where there is none is a ValueError (pass an
-    `hf_config` that has one). The modules written dense that the config would quantize (the shared expert, which
-    moejax holds dense, so DeepSeek-V3's FP8 one is written as its float32 dequantization; dense routed experts;
-    the router) are added to the config's ignore list (`ignore`, `modules_to_not_convert` or `exclude_modules`) in
-    `config.json` / `hf_quant_config.json`, so transformers and `load_layer` read them dense.
-
-    Returns:
-      the new shard's path.
-    Raises:
-      ValueError: no config.json and no `hf_config`; quantized params without a quantization config; an index
-        entry pointing outside the directory (naming the index and the entry); what `layer_tensors` raises.
-      TimeoutError: another writer held the directory's lock for `transaction.LOCK_TIMEOUT_S` seconds.
-    """
-    path = os.fspath(checkpoint)
-    with transaction.Transaction(path, index=shards.INDEX) as tx:
-        config, config_changed = _new_or_read_config(path, hf_config)
-        quant = hfquant.read(path, config)
-        if quant is None and isinstance(as_stacked(params.experts), QuantizedExperts):
-            raise ValueError(
-                f"layer {layer_idx}: params hold quantized experts ({type(as_stacked(params.experts)).__name__}) "
-                f"but {path} has no quantization config: pass an hf_config with a quantization_config "
-                "(docs/FORMATS.md)"
-            )
-        family, _ = family_config(config)
-        indexed = os.path.exists(os.path.join(path, shards.INDEX))
-        weight_map = _relative_weight_map(path) if indexed or _has_weights(path) else {}
-        existing = find_block(family, weight_map, layer_idx)
-        if existing is not None and checkpoint_class is None:
-            block = existing
-        else:
-            block = _block_for(family, checkpoint_class, is_composite(config))
-        hf = quant.hf if quant is not None else None
-        tensors = _block_tensors(params, config_from_hf(config, layer_idx), block, layer_idx, experts, hf)
-        hqc = None
-        if quant is not None:
-            with_dense, hqc = _ignore_dense_modules(config, quant, tensors, block.at(layer_idx), params)
-            config_changed = config_changed or with_dense is not config
-            config = with_dense
-        # Everything is validated; from here on only temporary files are written until `commit`.
-        if weight_map and not indexed:  # readers without an index glob *.safetensors: name the old files first
-            _stage_index(tx, path, weight_map, {})
-            tx.commit()
-        sizes: dict[str, int] = {}
-        if existing is not None:
-            prefix = existing.at(layer_idx)
-            owned = [k for k in weight_map if k.startswith(prefix) and existing.layout.owns(k[len(prefix) :])]
-            _drop_keys(tx, path, weight_map, owned, sizes)
-        shard = _fresh_name(path, weight_map, sizes, f"model-moejax-layer-{layer_idx:05d}")
-        sizes[shard] = _create_shard(tx, shard, tensors)
-        weight_map |= dict.fromkeys(tensors, shard)
-        _stage_index(tx, path, weight_map, sizes)
-        if config_changed:
-            tx.replace_json(CONFIG, config, indent=2, sort_keys=True)
-        if hqc is not None:
-            tx.replace_json(hfquant.HF_QUANT_CONFIG, hqc, indent=2)
-        tx.commit()
-    return os.path.join(path, shard)
-
-
-def _new_or_read_config(path: str, hf_config: Any) -> tuple[dict[str, Any], bool]:
-    """(the config to save with, whether config.json must be written): `hf_config` when given, else the
-    directory's. Nothing is written here."""
-    config_path = os.path.join(path, CONFIG)
-    on_disk = None
-    if os.path.exists(config_path):
-        on_disk = shards.read_json(config_path, "config")
-    if hf_config is not None:
-        config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-        config = json.loads(json.dumps(config))  # what json writes (tuples -> lists), to compare with the file's
-        return config, config != on_disk
-    if on_disk is None:
-        raise ValueError(f"{path} has no {CONFIG}: pass hf_config")
-    return on_disk, False
-
-
-def _ignore_dense_modules(
-    config: dict[str, Any],
-    quant: hfquant.CheckpointQuant,
-    tensors: dict[str, np.ndarray],
-    prefix: str,
-    params: MoEParams,
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(config.json, hf_quant_config.json or None when unchanged) with the block's dense Linear modules (a 2-D or
-    3-D `.weight`, or fused dense experts, that is not a quantized expert's) added to the quantization config's
-    ignore list where it would quantize them. config.json is returned unchanged (the same object) when it needs
-    no entry."""
-    quantized_experts = isinstance(as_stacked(params.experts), QuantizedExperts)
-    dense = []
-    for key, value in tensors.items():
-        module, name = key.rsplit(".", 1)
-        if quantized_experts and key[len(prefix) :].startswith("experts."):
-            continue
-        fused = name in ("gate_up_proj", "down_proj") and module.endswith(".experts")
-        if fused or (name == "weight" and value.ndim in (2, 3)):
-            dense.append(module)
-    new_config, new_hqc = hfquant.with_dense_modules(quant, config, dict.fromkeys(dense))
-    if new_hqc is not None and new_hqc == quant.hf_quant_config:
-        new_hqc = None
-    return new_config, new_hqc
-
-
-def _has_weights(path: str) -> bool:
-    return os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
-
-
-def _relative_weight_map(path: str) -> dict[str, str]:
-    """{key: file name relative to `path`} of the checkpoint, every file checked to be inside the directory."""
-    source = os.path.join(path, shards.INDEX)
-    if not os.path.exists(source):
-        source = path
-    relative = {}
-    for key, file in shards.weight_map(path).items():
-        name = os.path.relpath(file, path)
-        transaction.inside(path, name, source)
-        relative[key] = os.path.normpath(name)
-    return relative
-
-
-def _fresh_name(path: str, weight_map: dict[str, str], sizes: dict[str, int], stem: str) -> str:
-    """`{stem}.safetensors`, else `{stem}-v1.safetensors`, ...: the first name no file, index entry or file of
-    this save uses (a replaced shard always gets a new name, so a reader of the old index never sees it change).
-    A trailing `-vN` of `stem` is dropped first, so names do not grow over saves."""
-    stem = re.sub(r"-v\d+$", "", stem)
-    used = set(weight_map.values()) | set(sizes) | set(os.listdir(path))
-    version = 0
-    while True:
-        name = f"{stem}.safetensors" if version == 0 else f"{stem}-v{version}.safetensors"
-        if name not in used:
-            return name
-        version += 1
-
-
-def _create_shard(
-    tx: transaction.Transaction, name: str, tensors: Mapping[str, np.ndarray], metadata: dict | None = None
-) -> int:
-    """Stage a new safetensors file; its size in bytes."""
-    from safetensors.numpy import save
-
-    data = save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=metadata)
-    tx.create(name, data)
-    return len(data)
-
-
-def _drop_keys(
-    tx: transaction.Transaction, path: str, weight_map: dict[str, str], keys: list[str], sizes: dict[str, int]
-) -> None:
-    """Remove `keys` from the map; each shard that held some is staged anew under a new name without them (when
-    it keeps any) and made obsolete: shards are never edited in place."""
-    for shard, drop in shards.by_file(weight_map, keys).items():
-        for key in drop:
-            del weight_map[key]
-        kept = [k for k, file in weight_map.items() if file == shard]
-        full = os.path.join(path, shard)
-        if kept:
-            metadata = shards.header(full)[1].get("__metadata__")
-            name = _fresh_name(path, weight_map, sizes, os.path.splitext(os.path.basename(shard))[0])
-            sizes[name] = _create_shard(tx, name, shards.read_file(full, kept), metadata)
-            weight_map |= dict.fromkeys(kept, name)
-        tx.obsolete(shard)
-
-
-def _stage_index(tx: transaction.Transaction, path: str, weight_map: dict[str, str], sizes: dict[str, int]) -> None:
-    """Stage `model.safetensors.index.json` for `weight_map` (file sizes: `sizes` for new files, else on disk)."""
-    files = set(weight_map.values())
-    total = sum(sizes[f] if f in sizes else os.path.getsize(os.path.join(path, f)) for f in files)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    tx.replace_json(shards.INDEX, index, indent=2)
+    block_keys = block_keys_of(sd.raw, family)
+    return params_of_block(sd, cfg, block_keys, layout, block_quant_of(sd, block_keys, quantization_config))

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from moejax.config import MoEConfig
-from moejax.hf.families import BY_MODEL_TYPE, Family, LayerKind
-from moejax.hf.hfconfig import HFConfig, as_dict, text_part
+from moejax.hf.config_fields import HFConfig, as_dict, text_part
+from moejax.hf.families import BY_MODEL_TYPE, Family
+from moejax.hf.family_configs import LayerKind
 
 
 def family_config(hf_config: Any) -> tuple[Family, HFConfig]:

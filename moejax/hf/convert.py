@@ -9,44 +9,38 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import MoEConfig, SharedExpert
-from moejax.hf.families import BY_NAME, DEEPSEEK, LAYOUTS, QWEN, KeyLayout
-from moejax.hf.layouts import (
-    GATE_UP_DOWN,
-    StateDict,
-    block_to_hf,
-    experts_from_hf,
-    ignored_keys,
-    router_from_hf,
-    shared_from_hf,
-)
-from moejax.hf.quant import BlockQuant
+from moejax.hf.expert_tensors import experts_from_hf, experts_to_hf, quantized_experts_to_hf
+from moejax.hf.families import BY_NAME
+from moejax.hf.keys import BLOCK_KEYS, DEEPSEEK, QWEN, SHARED_PREFIXES, BlockKeys
+from moejax.hf.quant_config import BlockQuant, HfQuant, from_quantization_config
+from moejax.hf.state_dict import StateDict, block_to_hf, ignored_keys, router_from_hf, shared_from_hf
 from moejax.params import MoEParams, check_params, flatten, unflatten, with_experts_layout
-from moejax.quantized import HfQuant, QuantizedExperts, format_from_config, format_to_hf_tensors
+from moejax.quantized.formats import QuantizedExperts
 from moejax.weights import Layout, as_stacked, from_host
 
 
-def _family_layouts(family: str | None) -> tuple[KeyLayout, ...]:
-    """`family`'s layouts, in-memory first (all layouts for None); ValueError for an unknown family."""
+def _family_block_keys(family: str | None) -> tuple[BlockKeys, ...]:
+    """`family`'s `BlockKeys`, in-memory first (all families' for None); ValueError for an unknown family."""
     if family is None:
-        return LAYOUTS
+        return BLOCK_KEYS
     if family not in BY_NAME:
         raise ValueError(f"unknown family {family!r}; known families: {', '.join(BY_NAME)}")
-    return BY_NAME[family].layouts
+    return BY_NAME[family].block_keys
 
 
-def layout_of(keys: Any, family: str | None = None) -> KeyLayout:
-    """The key layout a block's keys are in: among `family`'s layouts (all layouts when None), the one whose router
-    key (and identifying keys) are present. Layouts that read alike (same router key) count as one."""
+def block_keys_of(keys: Any, family: str | None = None) -> BlockKeys:
+    """The `BlockKeys` a block's keys are in: among `family`'s (all families' when None), the one whose router key
+    (and identifying keys) are present. `BlockKeys` that read alike (same router key) count as one."""
     keys = frozenset(keys)
-    candidates = [layout for layout in _family_layouts(family) if layout.matches(keys)]
-    routers = {layout.router for layout in candidates}
-    if len(routers) == 1 and len({layout.experts for layout in candidates}) == 1:
+    candidates = [bk for bk in _family_block_keys(family) if bk.matches(keys)]
+    routers = {bk.router for bk in candidates}
+    if len(routers) == 1 and len({bk.experts for bk in candidates}) == 1:
         return candidates[0]
-    known = sorted({layout.router for layout in _family_layouts(family)})
+    known = sorted({bk.router for bk in _family_block_keys(family)})
     where = f"the {family} layouts" if family else "any family's layout"
     if not candidates:
         raise ValueError(f"state dict holds no router key of {where} (one of {known}); keys: {sorted(keys)[:8]}")
-    names = [layout.name for layout in candidates]
+    names = [bk.name for bk in candidates]
     raise ValueError(f"state dict keys fit several layouts {names}: pass family= to params_from_hf")
 
 
@@ -87,51 +81,47 @@ def params_from_hf(
     if not isinstance(cfg, MoEConfig):
         raise TypeError(f"cfg must be a moejax.MoEConfig, got {type(cfg).__name__}")
     sd = StateDict(state_dict)
-    key_layout = layout_of(sd.raw, family)
-    return params_from_layout(sd, cfg, key_layout, layout, block_quant_of(sd, key_layout, quantization_config))
+    block_keys = block_keys_of(sd.raw, family)
+    return params_of_block(sd, cfg, block_keys, layout, block_quant_of(sd, block_keys, quantization_config))
 
 
 def block_quant_of(
-    sd: StateDict, key_layout: KeyLayout, quantization_config: Mapping[str, Any] | None
+    sd: StateDict, block_keys: BlockKeys, quantization_config: Mapping[str, Any] | None
 ) -> BlockQuant | None:
     """A block's quantization from a `quantization_config` (or ModelOpt's `{"quantization": ...}`) alone: the
     routed experts in its format, the shared expert when its keys are quantized ones."""
     if quantization_config is None:
         return None
-    if "quantization" in quantization_config and "quant_method" not in quantization_config:
-        hf = format_from_config(None, quantization_config)  # hf_quant_config.json
-    else:
-        hf = format_from_config(quantization_config)
-    return BlockQuant(hf, experts=True, shared=_shared_is_quantized(sd, key_layout, hf))
+    hf = from_quantization_config(quantization_config)
+    return BlockQuant(hf, experts=True, shared=_shared_is_quantized(sd, block_keys, hf))
 
 
-def _shared_is_quantized(sd: StateDict, key_layout: KeyLayout, hf: HfQuant) -> bool:
+def _shared_is_quantized(sd: StateDict, block_keys: BlockKeys, hf: HfQuant) -> bool:
     """Without module names to match an ignore list against: whether the shared MLP's keys are quantized ones."""
     return hf.source != "gpt-oss" and any(
-        k.startswith(("shared_expert.", "shared_experts.", key_layout.shared_prefix))
-        and not k.endswith((".weight", ".bias"))
+        k.startswith((*SHARED_PREFIXES, block_keys.shared_prefix)) and not k.endswith((".weight", ".bias"))
         for k in sd.raw
     )
 
 
-def params_from_layout(
-    sd: StateDict, cfg: MoEConfig, key_layout: KeyLayout, layout: Layout = "auto", quant: BlockQuant | None = None
+def params_of_block(
+    sd: StateDict, cfg: MoEConfig, block_keys: BlockKeys, layout: Layout = "auto", quant: BlockQuant | None = None
 ) -> MoEParams:
     """`params_from_hf` for a known key layout; `quant` says which of the block's modules are quantized."""
-    flat = router_from_hf(sd, key_layout, cfg)
-    fmt, expert_fields = experts_from_hf(sd, key_layout, cfg, quant.hf if quant and quant.experts else None)
+    flat = router_from_hf(sd, block_keys, cfg)
+    fmt, expert_fields = experts_from_hf(sd, block_keys, cfg, quant.hf if quant and quant.experts else None)
     if cfg.shared_expert is not SharedExpert.NONE:
-        flat |= shared_from_hf(sd, key_layout, cfg, quant.hf if quant and quant.shared else None)
+        flat |= shared_from_hf(sd, block_keys, cfg, quant.hf if quant and quant.shared else None)
     if cfg.expert_prenorm:
         flat["expert_norm"] = sd.take("pre_feedforward_layernorm_2.weight", (cfg.hidden_size,))
-    sd.check_all_used(ignored_keys(key_layout, cfg), cfg, quant.hf if quant is not None else None)
+    sd.check_all_used(ignored_keys(block_keys, cfg), cfg, quant.hf if quant is not None else None)
     experts = from_host(expert_fields, fmt, layout)
     params = unflatten({name: jnp.asarray(value) for name, value in flat.items()}, experts=experts)
     check_params(params, cfg)
     return params
 
 
-def _default_write_layout(cfg: MoEConfig, flat: dict[str, np.ndarray]) -> KeyLayout:
+def _default_write_keys(cfg: MoEConfig, flat: dict[str, np.ndarray]) -> BlockKeys:
     """Without a family: transformers' usual in-memory names (Qwen's gated shared expert is singular,
     DeepSeek's ungated one plural); what those names cannot hold asks for the family."""
     extra = sorted(n for n in flat if n in ("router.bias", "router.scale", "router.per_expert_scale", "expert_norm"))
@@ -147,19 +137,19 @@ def params_to_hf(
     layout: Literal["fused", "per_expert"] = "fused",
     *,
     family: str | None = None,
-    key_layout: KeyLayout | None = None,
+    block_keys: BlockKeys | None = None,
     quant: HfQuant | None = None,
 ) -> dict[str, np.ndarray]:
     """The inverse of `params_from_hf`: numpy arrays under Hugging Face keys relative to the block.
 
     `layout="fused"` writes the in-memory tensors of transformers (`experts.gate_up_proj`, ...);
     `layout="per_expert"` writes `experts.{e}.{gate,up,down}_proj.weight` (and `.bias` for gpt-oss). The names
-    are those of `family`'s in-memory block (or of `key_layout`, e.g. an on-disk layout of a family record);
+    are those of `family`'s in-memory block (or `block_keys`, e.g. the on-disk keys of a family record);
     without either, transformers' usual names, an error for configs they cannot hold. LongCat's
     `gate_up_proj` has zero rows for its zero experts, as transformers sizes it.
 
     Quantized routed experts (`moejax.quantized`) are written in `quant`'s on-disk layout
-    (`moejax.quantized.format_to_hf_tensors`: per-expert keys, or gpt-oss's fused MXFP4 blocks whatever `layout`
+    (`moejax.hf.expert_tensors.format_to_hf_tensors`: per-expert keys, or gpt-oss's fused MXFP4 blocks whatever `layout`
     says); `quant` may be left out for MXFP4 experts in the gpt-oss layout.
     """
     if layout not in ("fused", "per_expert"):
@@ -171,32 +161,9 @@ def params_to_hf(
         for name, value in flatten(with_experts_layout(params, "stacked")).items()
         if not (quantized and name.startswith("experts."))
     }
-    if key_layout is None:
-        key_layout = _family_layouts(family)[0] if family is not None else _default_write_layout(cfg, flat)
-    hf = block_to_hf(flat, key_layout, cfg, layout)
+    if block_keys is None:
+        block_keys = _family_block_keys(family)[0] if family is not None else _default_write_keys(cfg, flat)
+    hf = block_to_hf(flat, block_keys)
     if quantized:
-        hf |= _quantized_experts_to_hf(params.experts, key_layout, quant)
-    return hf
-
-
-def _quantized_experts_to_hf(experts: Any, key_layout: KeyLayout, quant: HfQuant | None) -> dict[str, np.ndarray]:
-    fmt = type(as_stacked(experts))
-    if quant is None:
-        if key_layout.experts != "gpt_oss" or fmt.scheme.kind != "mxfp4":
-            raise ValueError(f"experts are quantized ({fmt.__name__}): pass quant= (the checkpoint's on-disk layout)")
-        quant = HfQuant(fmt, "gpt-oss")
-    if (quant.source == "gpt-oss") != (key_layout.experts == "gpt_oss"):
-        raise ValueError(f"the {key_layout.name} layout cannot hold quantized experts in the {quant.source} layout")
-    if key_layout.experts == "stacked_moe":
-        raise NotImplementedError(
-            f"quantized experts in the {key_layout.name} layout (stacked moe.*) are not supported"
-        )
-    tensors = format_to_hf_tensors(experts, quant)
-    if quant.source == "gpt-oss" or key_layout.expert_names == GATE_UP_DOWN:
-        return tensors
-    rename = dict(zip(GATE_UP_DOWN, key_layout.expert_names, strict=True))
-    renamed = {}
-    for key, value in tensors.items():
-        _, e, name, suffix = key.split(".", 3)
-        renamed[f"experts.{e}.{rename[name]}.{suffix}"] = value
-    return renamed
+        return hf | quantized_experts_to_hf(params.experts, block_keys, quant)
+    return hf | experts_to_hf(flat, block_keys, cfg, layout)
