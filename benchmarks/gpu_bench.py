@@ -7,10 +7,10 @@ and `jax.lax.ragged_dot`, next to a device-to-device copy and a large bf16 matmu
     python benchmarks/gpu_bench.py --smoke                # tiny shapes; on CPU the kernels are interpreted
 
 Only the routed experts are timed (routing computed once, shared by every implementation; `reps` dependent calls
-in one program, so launch overhead is not counted): "pallas" is
-`moejax.kernel_plans` (decode kernel for T <= 8, grouped kernels above), "xla" the `moejax.plans` of the same
-split, "ragged_dot" a sort + `jax.lax.ragged_dot` implementation. GB/s counts the bytes of the union experts'
-weights (each distinct selected expert read once); TFLOP/s the useful flops, 2·3·H·I per (token, slot) pair.
+in one program, so launch overhead is not counted): "pallas" is `moejax.backends.pallas` (decode kernel for
+T <= 8, grouped kernels above), "xla" the `moejax.backends.xla` plans of the same split, "ragged_dot" a sort +
+`jax.lax.ragged_dot` implementation. GB/s counts the bytes of the union experts' weights (each distinct selected
+expert read once); TFLOP/s the useful flops, 2·3·H·I per (token, slot) pair.
 Targets on an H200 (issue 4): decode >= 80% of the copy bandwidth; prefill >= 60% of the matmul rate and >= 2x
 ragged_dot.
 """
@@ -34,7 +34,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 import pallas_kernels  # noqa: E402
-from moejax import kernel_plans, plans  # noqa: E402
+from moejax.backends import pallas  # noqa: E402
+from moejax.backends import xla as xla_plans  # noqa: E402
 from moejax.bench import MODEL_LAYERS, Layer  # noqa: E402
 from moejax.config import MoEConfig  # noqa: E402
 from moejax.experts import Slots, combine_slots, expert_activation, slots_from_routing  # noqa: E402
@@ -74,10 +75,10 @@ def ragged_dot_routed(experts, x, slots: Slots, act: GatedActivation) -> Array:
 
 
 def implementations(T: int, cfg: MoEConfig) -> dict:
-    decode = plans.decode_fits(T, cfg.top_k)
+    decode = xla_plans.decode_fits(T, cfg.top_k)
     return {
-        "pallas": kernel_plans.pallas_decode if decode else kernel_plans.pallas_grouped,
-        "xla": plans.decode_plan if decode else plans.grouped_plan,
+        "pallas": pallas.pallas_decode if decode else pallas.pallas_grouped,
+        "xla": xla_plans.decode_plan if decode else xla_plans.grouped_plan,
         "ragged_dot": ragged_dot_routed,
     }
 
