@@ -1,5 +1,5 @@
 """Which per-expert storage XLA:CPU multiplies fastest: `[in, out]` (`ExpertWeights`) or `[out, in]`
-(`FusedExpertWeights`, dot or padded multiply-reduce), per product and inside `moejax.cpu_plans.switch_decode`.
+(`FusedExpertWeights`, dot or padded multiply-reduce), per product and inside `moejax.backends.cpu.switch_decode`.
 
     python benchmarks/cpu_expert_layouts.py [--rows 1,2,4,8] [--experts 128] [--compile-only]
 
@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import moejax
-from moejax import cpu_plans
+from moejax.backends import cpu
+from moejax.experts import Slots
 from moejax.weights import ExpertWeights, FusedExpertWeights
 from pallas_kernels.activations import GatedActivation
 
@@ -66,8 +67,8 @@ class _FusedDot(FusedExpertWeights):
     """`FusedExpertWeights` with YNNPACK dots at every row count (no multiply-reduce)."""
 
     @property
-    def _reduce_small(self) -> bool:
-        return False
+    def padded_rows(self) -> int:
+        return 1
 
 
 jax.tree_util.register_dataclass(
@@ -91,7 +92,7 @@ def plan_times(rows: list[int], num_experts: int, rng: np.random.Generator) -> N
     def decode(parts, x, indices, weights):
         fns = [functools.partial(p.ffn, act=act) for p in parts]
         padded = parts[0].padded_rows
-        return cpu_plans.switch_decode(fns, x, indices, None, weights, padded_rows=padded)
+        return cpu.switch_decode(fns, x, Slots(indices, weights), padded_rows=padded)
 
     for T in rows:
         x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)

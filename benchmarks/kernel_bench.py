@@ -1,5 +1,5 @@
 """What benchmarks/gpu_bench.py and tpu_bench.py share: the layers, the routed implementations timed side by side
-(the Pallas kernels through `moejax.kernel_plans`, the XLA plans, a `jax.lax.ragged_dot` baseline), the timing
+(the Pallas kernels through `moejax.backends.pallas`, the XLA plans, a `jax.lax.ragged_dot` baseline), the timing
 loop, the kernel checks against their references, the table, and the run's JSON and validated.json rows.
 
 Only the routed experts are timed (routing computed once, shared by every implementation; `reps` dependent calls
@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from moejax import kernel_plans, plans
+from moejax.backends import pallas as kernel_plans
+from moejax.backends import xla as plans
 from moejax.bench import MODEL_LAYERS, Layer
 from moejax.config import MoEConfig
 from moejax.experts import Slots, combine_slots, expert_activation, slots_from_routing

@@ -7,7 +7,7 @@ measured in the same run).
     python benchmarks/tpu_bench.py --smoke                # tiny shapes; on CPU the kernels run interpreted
 
 The measurement is gpu_bench.py's (kernel_bench.py: same layers, same `repeated` programs, same table): "pallas" is
-`moejax.kernel_plans`, whose kernels lower to the Mosaic TPU ones on a TPU (`pallas_kernels/tpu_decode.py`,
+`moejax.backends.pallas`, whose kernels lower to the Mosaic TPU ones on a TPU (`pallas_kernels/tpu_decode.py`,
 `tpu_grouped.py`); GB/s counts the union experts' bf16 weights, TFLOP/s the useful 2·3·H·I per (token, slot) pair.
 Targets (issue 21): decode >= 85% of HBM bandwidth over the union's bytes, prefill >= 70% of the MXU peak at
 T=2048. Validated rows name the chip as JAX does ("TPU v6 lite"), which `impl="auto"` matches while lowering.

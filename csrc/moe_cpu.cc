@@ -46,7 +46,7 @@ namespace ffi = xla::ffi;
 
 namespace moe {
 
-// Weight formats; the Python side (moejax/native_cpu.py) uses the same numbers.
+// Weight formats; the Python side (moejax/backends/native.py) uses the same numbers.
 enum Format : int {
   kDenseF32 = 0,   // [in, out] gate, up, down (moejax.weights.ExpertWeights)
   kDenseBF16 = 1,

@@ -21,13 +21,15 @@ then `· s`), and added to the float32 projection of the base weights. PEFT comp
 float32 the two agree to the model dtype's rounding. Rows with adapter id 0 get the base output bit for bit
 (`where(id == 0, base, base + delta)`).
 
-The shapes used by the plans: `pair_delta(pair, x, adapter)` for one target of one expert of a stack
-(`pair.a [n+1, r, in]`). Decode-sized calls gather each row's own adapter; prefill blocks read every adapter of
-the expert once and each row selects its own adapter's product (less traffic than a gathered copy per row); a
-row's delta never depends on its neighbours' adapters, not even on their values being finite: adapter-dependent
-values are combined across adapters by selection (`where`), never by multiplying by a 0/1 mask (0·inf = NaN).
-`expert_ffn(w, x, act, lora, adapter)` is one expert's FFN with those deltas, over any weight format's `gate_up` /
-`down_proj` (the reference, every XLA/CPU plan and the shared expert call it).
+The adapters are a weight wrapper, as flax's `LoRALinear` wraps `Linear`: `adapt(experts, lora.experts)` is a
+`LoRAExperts` that the plans read as any weight format; its `expert(e)` is a `LoRAExpert` whose `gate_up` /
+`down_proj` take the rows' adapter ids (`Slots.adapter`, routed with the rows by the plans) and add each row's
+deltas to the base format's float32 projections (the shared expert wraps its weights in a `LoRAExpert` too).
+Backends that cannot apply adapters (the kernels, native, ragged) refuse the wrapper, so "auto" runs the plans.
+`pair_delta(pair, x, adapter)` is one target of one expert of a stack (`pair.a [n+1, r, in]`): decode-sized calls
+gather each row's own adapter; prefill blocks read every adapter of the expert once and each row selects its own
+adapter's product; a row's delta never depends on its neighbours' adapters, not even on their values being
+finite: adapter-dependent values are combined by selection (`where`), never by a 0/1 mask (0·inf = NaN).
 
 Also here: `check_lora` (shapes against a `MoEConfig`, errors naming the target), `as_adapter_ids` (host ids of
 any integer type to int32 without wrapping), `clamp_ids` (ids outside the stack -> 0 inside jit), `select` (one
@@ -43,6 +45,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from moejax.weights import padded_ffn
 
 Array = jax.Array
 
@@ -69,12 +73,18 @@ class LoRAPair:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ExpertLoRA:
-    """Adapters of the routed experts: per projection a `LoRAPair` with an expert axis (`a [(n+1,) E, r, in]`)."""
+class FFNLoRA:
+    """Adapters of a gated FFN's projections, a `LoRAPair` or None each."""
 
     gate: LoRAPair | None = None  # in H, out I
     up: LoRAPair | None = None  # in H, out I
     down: LoRAPair | None = None  # in I, out H
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertLoRA(FFNLoRA):
+    """Adapters of the routed experts: per projection a `LoRAPair` with an expert axis (`a [(n+1,) E, r, in]`)."""
 
     def expert(self, e: Array | int) -> ExpertLoRA:
         """Expert `e` of a stack (`a [n+1, E, r, in]` -> `[n+1, r, in]`); `e` may be traced."""
@@ -84,12 +94,9 @@ class ExpertLoRA:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class SharedLoRA:
+class SharedLoRA(FFNLoRA):
     """Adapters of the shared expert and its sigmoid gate (`gate_kernel`: `a [r, H]`, `b [1, r]`)."""
 
-    gate: LoRAPair | None = None
-    up: LoRAPair | None = None
-    down: LoRAPair | None = None
     gate_kernel: LoRAPair | None = None
 
 
@@ -233,29 +240,82 @@ def add_delta(y: Array, delta: Array | None, adapter: Array) -> Array:
     return jnp.where((adapter != 0)[:, None], y + delta, y)
 
 
-def expert_ffn(w: Any, x: Array, act: Any, lora: Any = None, adapter: Array | None = None) -> Array:
-    """One expert's FFN with the rows' deltas: `x [R, H]` -> float32 `[R, H]`. The one place the plans, the
-    reference and the shared expert apply expert adapters.
+def add_pair(y: Array, pair: LoRAPair | None, x: Array, adapter: Array) -> Array:
+    """`y` plus the rows' deltas of target `pair` on input `x` (`pair_delta`, `add_delta`)."""
+    return add_delta(y, pair_delta(pair, x, adapter), adapter)
 
-    `w` is one expert of any weight format (`gate_up`, `down_proj`, `ffn`, `padded_rows`: quantized bases read
-    through their own operations); `lora` anything with `gate`/`up`/`down` `LoRAPair | None` fields holding every
-    adapter of this expert (`ExpertLoRA.expert(e)`, `SharedLoRA`), `adapter [R]` the rows' ids. Gate and up
-    deltas are added to the float32 projections before the activation, the down delta (of the float32
-    activation) after the down projection. Without `lora` this is `w.ffn(x, act)`. Rows 2..`w.padded_rows` are
-    padded (with id 0) as the format's own `ffn` pads them, so a row's bits do not depend on the row count.
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRAExpert:
+    """One expert of any weight format with its adapters (every adapter of a stack): `ids [R]` the rows' ids.
+
+    Gate and up deltas are added to the base's float32 projections before the activation, the down delta (of the
+    float32 activation) after the down projection. Rows are padded as the base pads them (`padded_rows`).
     """
-    if lora is None:
-        return w.ffn(x, act)
-    R, P = x.shape[0], getattr(w, "padded_rows", 1)
-    if 1 < R < P:
-        x = jnp.pad(x, ((0, P - R), (0, 0)))
-        adapter = jnp.pad(adapter, (0, P - R))
-    gate, up = w.gate_up(x)  # [R, I] float32 each
-    gate = add_delta(gate, pair_delta(lora.gate, x, adapter), adapter)
-    up = add_delta(up, pair_delta(lora.up, x, adapter), adapter)
-    h = act(gate, up)  # [R, I] float32
-    y = add_delta(w.down_proj(h), pair_delta(lora.down, h, adapter), adapter)  # [R, H]
-    return y[:R]
+
+    base: Any  # one expert of a format (`gate_up`, `down_proj`, `padded_rows`, `dequantize`)
+    lora: FFNLoRA  # its targets, `a [n+1, r, in]`
+
+    @property
+    def padded_rows(self) -> int:
+        return self.base.padded_rows
+
+    def gate_up(self, x: Array, ids: Array) -> tuple[Array, Array]:
+        gate, up = self.base.gate_up(x)  # [R, I] float32 each
+        return add_pair(gate, self.lora.gate, x, ids), add_pair(up, self.lora.up, x, ids)
+
+    def down_proj(self, h: Array, ids: Array) -> Array:
+        return add_pair(self.base.down_proj(h), self.lora.down, h, ids)  # [R, H]
+
+    def ffn(self, x: Array, act: Any, ids: Array) -> Array:
+        """`x [R, H]` -> float32 `[R, H]`; rows with id 0 get the base's `ffn` bit for bit."""
+        return padded_ffn(self, x, act, ids)
+
+    def dequantize(self) -> LoRAExpert:
+        return LoRAExpert(self.base.dequantize(), self.lora)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRAExperts:
+    """Routed experts of any format and layout with a stack's expert adapters, read by the plans as a format:
+    `expert(e)` is a `LoRAExpert`, and the rows' adapter ids are `row_ids(slots)` (`Slots.adapter`)."""
+
+    base: Any  # `moejax.weights.Experts`
+    lora: ExpertLoRA  # `a [n+1, E, r, in]`
+
+    @property
+    def layout(self) -> str:
+        return self.base.layout
+
+    @property
+    def num_experts(self) -> int:
+        return self.base.num_experts
+
+    @property
+    def padded_rows(self) -> int:
+        return self.base.padded_rows
+
+    def expert(self, e: Array | int) -> LoRAExpert:
+        return LoRAExpert(self.base.expert(e), self.lora.expert(e))
+
+    def stacked(self) -> LoRAExperts:
+        return LoRAExperts(self.base.stacked(), self.lora)
+
+    def row_ids(self, slots) -> Array:
+        """`slots.adapter`; `ValueError` when it is missing or not `[T]`."""
+        T = slots.indices.shape[0]
+        if slots.adapter is None or tuple(slots.adapter.shape) != (T,):
+            got = None if slots.adapter is None else tuple(slots.adapter.shape)
+            raise ValueError(f"lora given: slots.adapter must be [T]=({T},) int32 adapter ids, got {got}")
+        return slots.adapter
+
+
+def adapt(experts: Any, lora: ExpertLoRA | None) -> Any:
+    """`experts` (any format, either layout) with a stack's expert adapters (`LoRAExperts`), or `experts`
+    unchanged when `lora` is None."""
+    return experts if lora is None else LoRAExperts(experts, lora)
 
 
 def as_adapter_ids(adapter_ids, num_ids: int):

@@ -78,6 +78,7 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.analysis import expert_load
 from moejax.backends import may_run_kernels, run_routed
+from moejax.backends.xla import grouped_block_rows
 from moejax.config import MoEConfig, SharedExpert
 from moejax.eager import cached_when_eager
 from moejax.experts import Slots, expert_activation, slots_from_routing
@@ -86,7 +87,6 @@ from moejax.lora import ExpertLoRA, LoRAPair, LoRAParams, SharedLoRA, check_lora
 from moejax.params import MoEParams, SharedParams, unflatten, with_experts_layout
 from moejax.params import param_specs as array_specs
 from moejax.placement import Placement, check_layout
-from moejax.plans import grouped_block_rows
 from moejax.routing import Routing, route
 from moejax.stats import MoEStats
 from moejax.weights import ExpertFormat, Experts, ExpertWeights, PerExpert, format_of

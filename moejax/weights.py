@@ -8,19 +8,17 @@ operations the plans need on **one expert** (the same class with the E axis drop
     y = w.down_proj(h)     # float32 [R, I] -> float32 [R, H] (h rounded to the compute dtype first)
     dense = w.dequantize() # ExpertWeights in float32, with or without the E axis (the reference reads this)
 
+The plans read any experts object (a format, `PerExpert`, a wrapper of either) through `num_experts`, `expert(e)`
+(`ffn(rows, act, *ids)`, `padded_rows`, `dequantize()`), `stacked()`, `layout`, `padded_rows`, `row_ids(slots)`.
+
 Everything else derives from the declaration, in this module: shape and dtype checks (`check_experts`), logical
 axes (`logical_axes`), random init (`ExpertFormat.init`), flatten/unflatten (`expert_fields`, `from_fields`),
 views of one expert (`expert(e)`, traced or static), and the two layouts:
 
 * **stacked** (the canonical layout: checkpoints, GPU kernels, expert parallelism): each array `[E, ...]`.
-* **per-expert** (`PerExpert`, the CPU layout): a tuple of E one-expert instances, each array its own buffer,
-  in the format's `part_format()` (itself by default; `ExpertWeights` keeps its experts as
-  `FusedExpertWeights`, `[out, in]` with gate and up fused, the layout XLA:CPU multiplies fastest).
-  XLA:CPU reads a dot operand in place only when it is a whole buffer; a slice of a stacked `[E, H, I]` array
-  (dynamic or static) is copied first, which halves decode bandwidth, and a bf16 stacked tensor gets its whole
-  convert hoisted out of a loop (measured in DESIGN.md). `to_layout` converts between the two, once, outside
-  the forward: `init_params` and the Hugging Face loaders place weights in the default layout of the backend
-  (`default_layout()`), and `moe_forward` accepts both.
+* **per-expert** (`PerExpert`, the CPU layout): E one-expert instances in the format's `part_format()`, each
+  array its own buffer (XLA:CPU copies a slice of a stacked array before its dot; docs/DESIGN.md). `to_layout`
+  converts once, outside the forward; `init_params` and the loaders use `default_layout()`.
 
 `ExpertWeights` is the dense format (float32 / bfloat16 / float16), `FusedExpertWeights` the same weights in
 Hugging Face's fused layout. A new format is one new subclass, anywhere (tests/test_weight_formats.py defines an
@@ -82,14 +80,12 @@ class ArraySpec:
 
 
 class ExpertFormat:
-    """Base class of routed-expert formats (see the module docstring).
-
-    Subclasses are `@jax.tree_util.register_dataclass` frozen dataclasses whose array fields all carry the
-    leading expert axis (optional fields may be None). They implement `declare`, `gate_up`, `down_proj` and
-    `dequantize`; the rest is derived here.
-    """
+    """Base class of routed-expert formats: `@jax.tree_util.register_dataclass` frozen dataclasses whose array
+    fields all carry the leading expert axis (optional fields may be None). They implement `declare`, `gate_up`,
+    `down_proj` and `dequantize`; the rest is derived here."""
 
     name: ClassVar[str] = "format"
+    layout: ClassVar[str] = "stacked"
 
     # -- what a format implements ------------------------------------------------------------------------
     @classmethod
@@ -126,15 +122,24 @@ class ExpertFormat:
 
     @property
     def padded_rows(self) -> int:
-        """`ffn` runs 2..padded_rows rows at the cost of padded_rows (1: no padding); the CPU plans merge the row
+        """`ffn` runs 2..padded_rows rows padded to padded_rows (1: no padding); the CPU plans merge the row
         classes in that range."""
         return 1
 
     # -- derived -----------------------------------------------------------------------------------------
     def ffn(self, x: Array, act: GatedActivation) -> Array:
-        """One expert's FFN on rows `x [R, H]` -> float32 `[R, H]`."""
-        gate, up = self.gate_up(x)
-        return self.down_proj(act(gate, up))
+        """One expert's FFN on rows `x [R, H]` -> float32 `[R, H]` (`padded_ffn`)."""
+        return padded_ffn(self, x, act)
+
+    def stacked(self) -> ExpertFormat:
+        """The stacked layout: this object."""
+        return self
+
+    def row_ids(self, slots) -> Array | None:
+        """Per-row ids `[T]` these experts read beside the rows: None, a format reads the rows alone (a wrapper
+        that adapts each row returns its ids; the plans then call `expert(e).ffn(rows, act, ids)`)."""
+        del slots
+        return None
 
     def fields(self) -> dict[str, Array]:
         """The arrays that are set, by field name (None fields left out)."""
@@ -166,6 +171,27 @@ class ExpertFormat:
         return cls(**values)
 
 
+def padded_ffn(w: Any, x: Array, act: GatedActivation, *ids: Array) -> Array:
+    """One expert's gated FFN `x [R, H]` -> float32 `[R, H]` by `w.gate_up(x, *ids)`, `w.down_proj(h, *ids)`
+    (`ids`: per-row ids of a wrapper, none for a format). 2..`w.padded_rows` rows run padded (zeros, ids 0) to
+    `w.padded_rows`: a row's bits then do not depend on how many rows run beside it."""
+    R, P = x.shape[0], w.padded_rows
+    if 1 < R < P:
+        x = jnp.pad(x, ((0, P - R), (0, 0)))
+        ids = tuple(jnp.pad(i, (0, P - R)) for i in ids)
+    gate, up = w.gate_up(x, *ids)  # [P, I] float32 each
+    return w.down_proj(act(gate, up), *ids)[:R]
+
+
+def bias_specs(E: int, H: int, I: int) -> dict[str, ArraySpec]:
+    """The optional expert biases of gate, up (`[E, I]`) and down (`[E, H]`), float parameters."""
+    return {
+        "gate_bias": ArraySpec((E, I), ("expert", "mlp"), init=small_normal),
+        "up_bias": ArraySpec((E, I), ("expert", "mlp"), init=small_normal),
+        "down_bias": ArraySpec((E, H), ("expert", "embed"), init=small_normal),
+    }
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ExpertWeights(ExpertFormat):
@@ -189,11 +215,7 @@ class ExpertWeights(ExpertFormat):
             "down": ArraySpec((E, I, H), ("expert", "mlp", "embed")),
         }
         if cfg.expert_bias:
-            specs |= {
-                "gate_bias": ArraySpec((E, I), ("expert", "mlp"), init=small_normal),
-                "up_bias": ArraySpec((E, I), ("expert", "mlp"), init=small_normal),
-                "down_bias": ArraySpec((E, H), ("expert", "embed"), init=small_normal),
-            }
+            specs |= bias_specs(E, H, I)
         return specs
 
     def gate_up(self, x: Array) -> tuple[Array, Array]:
@@ -240,19 +262,10 @@ SMALL_ROWS = 8  # FusedExpertWeights (float32): 2..SMALL_ROWS rows run as one mu
 @dataclasses.dataclass(frozen=True)
 class FusedExpertWeights(ExpertFormat):
     """Dense routed experts in Hugging Face's fused layout: weights `[out, in]`, gate rows then up rows in one
-    matrix (`gate_up_proj`), the per-expert layout's storage of `ExpertWeights` on CPU.
-
-    Why (XLA:CPU, jax 0.10.2, 2-core VM, one Qwen3-30B-A3B expert `[2048] x [2048, 768]` float32): one row
-    contracting the last dims is XLA's row-major GEMV, its one bandwidth-efficient kernel (0.45 ms per product,
-    vs 0.64 ms for the column GEMV of an `[in, out]` weight). 2..SMALL_ROWS float32 rows run padded to
-    SMALL_ROWS as `sum(W[:, None, :] * rows[None], -1)`, which YNNPACK runs as one fused reduction streaming the
-    weight once without packing it (its float32 dots pack the weight on every call: 0.97 / 1.26 ms at 2 / 8
-    rows vs 0.74 / 0.78 ms); one padded row count keeps a row's bits independent of the rows beside it (the
-    reduction splits differently at <= 4 and >= 5 rows). Other dtypes and more rows: YNNPACK dots (bfloat16
-    kernels need no float32 copy of the weight). Products accumulate in float32; the activation is rounded to
-    the weight dtype before the down product, as in `ExpertWeights`. The trade-off (benchmarks/RESULTS.md): in
-    the CPU decode plan, float32 T=1 runs 1.56x and bfloat16 T=1 2.56x faster than `[in, out]` experts, prefill
-    T=512 1.38x, but T=2..8 about 10% slower (YNNPACK's dot on `[in, out]` is the fastest at 2..8 rows).
+    matrix (`gate_up_proj`), the per-expert layout's storage of `ExpertWeights` on CPU (XLA:CPU's fastest dense
+    products: one row is its row-major GEMV). Float32 runs 2..SMALL_ROWS rows padded to SMALL_ROWS as one
+    multiply-reduce (`padded_rows`: one row count keeps a row's bits independent of its neighbours); other
+    dtypes and more rows are dots. Measurements in docs/DESIGN.md.
     """
 
     name: ClassVar[str] = "dense_fused"
@@ -282,15 +295,11 @@ class FusedExpertWeights(ExpertFormat):
 
     @property
     def padded_rows(self) -> int:
-        return SMALL_ROWS if self._reduce_small else 1
-
-    @property
-    def _reduce_small(self) -> bool:
-        return self.dtype == jnp.float32
+        return SMALL_ROWS if self.dtype == jnp.float32 else 1
 
     def _product(self, v: Array, w: Array) -> Array:
         """`[R, in] x [out, in] -> [R, out]` float32."""
-        if self._reduce_small and 1 < v.shape[0] <= SMALL_ROWS:
+        if self.padded_rows > 1 and 1 < v.shape[0] <= SMALL_ROWS:
             return jnp.sum(w[:, None, :].astype(jnp.float32) * v[None].astype(jnp.float32), axis=2).T
         return jax.lax.dot_general(v, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -306,12 +315,6 @@ class FusedExpertWeights(ExpertFormat):
         if self.down_bias is not None:
             y = y + self.down_bias.astype(jnp.float32)
         return y
-
-    def ffn(self, x: Array, act: GatedActivation) -> Array:
-        R = x.shape[0]
-        if 1 < R < self.padded_rows:  # one row count for 2..SMALL_ROWS rows (batch invariance)
-            x = jnp.pad(x, ((0, self.padded_rows - R), (0, 0)))
-        return super().ffn(x, act)[:R]
 
     def dequantize(self) -> ExpertWeights:
         return self.as_dense().dequantize()
@@ -346,18 +349,26 @@ class FusedExpertWeights(ExpertFormat):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PerExpert:
-    """The per-expert layout of any format: `parts[e]` is expert e (no E axis), each array its own buffer.
-
-    What XLA:CPU needs to read expert weights in place (see the module docstring); the CPU plans dispatch to
-    `parts[e]` with `lax.switch`. Convert with `to_layout` (or `ExpertFormat.unstack` / `PerExpert.stacked`).
-    """
+    """The per-expert layout of any format: `parts[e]` is expert e (no E axis), each array its own buffer, as
+    XLA:CPU reads them in place. Convert with `to_layout` (or `ExpertFormat.unstack` / `PerExpert.stacked`)."""
 
     parts: tuple[ExpertFormat, ...]  # each in `fmt.part_format()`
     fmt: type[ExpertFormat] | None = dataclasses.field(default=None, metadata={"static": True})  # None: parts'
+    layout: ClassVar[str] = "per_expert"
 
     @property
     def num_experts(self) -> int:
         return len(self.parts)
+
+    def expert(self, e: int) -> ExpertFormat:
+        """Expert `e` (static): its own buffers."""
+        return self.parts[e]
+
+    @property
+    def padded_rows(self) -> int:
+        return min(part.padded_rows for part in self.parts)
+
+    row_ids = ExpertFormat.row_ids
 
     @property
     def format(self) -> type[ExpertFormat]:
@@ -383,7 +394,7 @@ def format_of(experts: Experts) -> type[ExpertFormat]:
 
 def as_stacked(experts: Experts) -> ExpertFormat:
     """`experts` in the stacked layout (a copy when given per-expert)."""
-    return experts.stacked() if isinstance(experts, PerExpert) else experts
+    return experts.stacked()
 
 
 def default_layout() -> Literal["stacked", "per_expert"]:
@@ -392,11 +403,8 @@ def default_layout() -> Literal["stacked", "per_expert"]:
 
 
 def to_layout(experts: Experts, layout: Layout = "auto") -> Experts:
-    """`experts` in `layout` ("auto": `default_layout()`); a no-op when already there.
-
-    Call it outside `jit` (or on parameters passed in): converting inside a jitted forward would copy every
-    weight on every call.
-    """
+    """`experts` in `layout` ("auto": `default_layout()`); a no-op when already there. Call it outside `jit`:
+    converting inside a jitted forward would copy every weight on every call."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
     if layout == "auto":

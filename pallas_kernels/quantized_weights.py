@@ -1,7 +1,7 @@
 """Quantized expert weights as the tile kernels read them: packed codes + scales, dequantized in registers.
 
 `QuantizedWeight` carries one stacked projection `[E, in, out]` exactly as `moejax.quantized` stores it (this
-package never imports moejax; moejax's `kernel_plans` wraps its arrays, no copy):
+package never imports moejax; moejax's `backends.pallas` wraps its arrays, no copy):
 
     kind        codes                          scale                                  extra
     int8        uint8 [E, in, out] (q + 128)   f32 [E, in/g, out]                     zero int8 [E, in/g, out]?

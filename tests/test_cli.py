@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from moejax import native_cpu
 from moejax.__main__ import main
+from moejax.backends import native as native_cpu
 
 
 def test_demo_prints_routing(capsys):

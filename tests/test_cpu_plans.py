@@ -1,4 +1,4 @@
-"""`moejax.cpu_plans` against a dense per-slot float32 reference, plus batch invariance and read-once checks."""
+"""`moejax.backends.cpu` against a dense per-slot float32 reference, plus batch invariance and read-once checks."""
 
 import functools
 import threading
@@ -10,12 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moejax.cpu_plans import (
-    decode_row_classes,
-    switch_decode,
-    switch_grouped,
-)
-from moejax.plans import DECODE_MAX_SLOTS
+from moejax.backends.cpu import decode_row_classes, switch_decode, switch_grouped
+from moejax.backends.xla import DECODE_MAX_SLOTS
+from moejax.experts import Slots
 from moejax.weights import FusedExpertWeights
 from pallas_kernels.activations import GatedActivation
 
@@ -53,7 +50,8 @@ def _planned(plan, with_scale):
     """A jitted plan taking the per-expert weights as arguments (cached: one compile per shape)."""
 
     def run(ws, x, indices, in_scale, out_weight):
-        return plan([functools.partial(_ffn, w) for w in ws], x, indices, in_scale if with_scale else None, out_weight)
+        slots = Slots(indices, out_weight, in_scale if with_scale else None)
+        return plan([functools.partial(_ffn, w) for w in ws], x, slots)
 
     return jax.jit(run)
 
@@ -279,7 +277,7 @@ def test_decode_reads_each_union_expert_once(T):
     E, K, H, I = 32, 4, 24, 40
     _, ws = _weights(E, H, I, "float32")
     calls, lock = [], threading.Lock()
-    f = jax.jit(lambda ws, x, i, w: switch_decode(_counting_fns(ws, calls, lock), x, i, None, w))
+    f = jax.jit(lambda ws, x, i, w: switch_decode(_counting_fns(ws, calls, lock), x, Slots(i, w)))
     rng = np.random.default_rng(T)
     classes = decode_row_classes(T, E, jnp.float32)
     for trial in range(5):
@@ -308,7 +306,7 @@ def test_grouped_runs_each_expert_once_when_it_fits():
     E, K, H, I, T = 16, 2, 24, 40, 40
     _, ws = _weights(E, H, I, "float32")
     calls, lock = [], threading.Lock()
-    f = jax.jit(lambda ws, x, i, w: switch_grouped(_counting_fns(ws, calls, lock), x, i, None, w))
+    f = jax.jit(lambda ws, x, i, w: switch_grouped(_counting_fns(ws, calls, lock), x, Slots(i, w)))
     rng = np.random.default_rng(0)
     indices = np.stack([rng.permutation(8)[:K] for _ in range(T)]).astype(np.int32)  # experts 0..7 only
     jax.block_until_ready(f(ws, jnp.ones((T, H)), jnp.asarray(indices), jnp.ones((T, K))))
@@ -359,7 +357,7 @@ def test_fused_expert_plans_batch_invariant(plan, T, dtype):
     ]
     ws = [tuple(jnp.asarray(a, DTYPES[dtype]) for a in w) for w in np_w]
     padded = FusedExpertWeights(*ws[0]).padded_rows
-    f = jax.jit(lambda ws, x, i, w: plan([_fused_fn(*wi) for wi in ws], x, i, None, w, padded_rows=padded))
+    f = jax.jit(lambda ws, x, i, w: plan([_fused_fn(*wi) for wi in ws], x, Slots(i, w), padded_rows=padded))
     x0, w0 = rng.standard_normal(H), rng.random(K)
     rows0 = []
     for indices in _neighbour_routings(E, T, K, rng):

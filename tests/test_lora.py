@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import moejax
 from moejax.experts import Slots, expert_activation
-from moejax.lora import LoRAPair, _target_shapes, from_pairs, merge, stack, unmerge
+from moejax.lora import LoRAPair, _target_shapes, adapt, from_pairs, merge, stack, unmerge
 from moejax.weights import as_stacked
 
 PLANS = ("xla_decode", "xla_grouped", "cpu_decode", "cpu_grouped")
@@ -185,7 +185,7 @@ def test_kernels_refuse_adapters():
     params, x = _inputs()
     slots = Slots(jnp.zeros((T, 2), jnp.int32), jnp.ones((T, 2)), None, IDS)
     with pytest.raises(NotImplementedError, match="LoRA"):
-        moejax.kernel_plans.pallas_decode(params.experts, x, slots, expert_activation(CFG), lora=LORA.experts)
+        moejax.backends.pallas.pallas_decode(adapt(params.experts, LORA.experts), x, slots, expert_activation(CFG))
     assert moejax.forward.chosen_impl(params, x, CFG, impl="auto", lora=LORA) == "xla_decode"
 
 

@@ -1,4 +1,4 @@
-"""The native CPU backend (moejax.native_cpu, csrc/): every weight format x activation against a numpy oracle on
+"""The native CPU backend (moejax.backends.native, csrc/): every weight format x activation against a numpy oracle on
 the dequantized weights, family samples through `moe_forward`, bit-identity of a row across batches, positions,
 neighbours and thread counts, input errors raised in Python, the portable C++ variant, and the fallback when the
 extension is absent."""
@@ -14,13 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moejax
-from moejax import backends, native_cpu
+from moejax import backends
 from moejax import quantized as Q
+from moejax.backends import native
 from moejax.experts import Slots
+from moejax.lora import ExpertLoRA, adapt
 from moejax.weights import ExpertWeights, FusedExpertWeights, PerExpert, to_layout
 from pallas_kernels.activations import GatedActivation
 
-built = pytest.mark.skipif(not native_cpu.available(), reason="moejax._native_cpu is not built")
+built = pytest.mark.skipif(not native.available(), reason="moejax._native_cpu is not built")
 
 ACTIVATIONS = {
     "silu": GatedActivation("silu"),
@@ -160,7 +162,7 @@ def test_dense_formats_and_layouts_match_oracle(dtype):
     for act_name, act in ACTIVATIONS.items():
         want = _oracle(dense, x, slots, act)
         for layout, experts in layouts.items():
-            got = native_cpu.routed_experts(experts, x, slots, act)
+            got = native.routed_experts(experts, x, slots, act)
             _assert_close(got, want, f"{dtype} {layout} {act_name}")
 
 
@@ -174,9 +176,9 @@ def test_quantized_formats_match_dequantize_then_reference(key):
     per_expert = to_layout(q, "per_expert")
     for act_name, act in ACTIVATIONS.items():
         want = _oracle(q, x, slots, act)
-        _assert_close(native_cpu.routed_experts(q, x, slots, act), want, f"{key} stacked {act_name}")
+        _assert_close(native.routed_experts(q, x, slots, act), want, f"{key} stacked {act_name}")
         if act_name == "gpt_oss":  # the per-expert layout reads the same arrays, one buffer per expert
-            _assert_close(native_cpu.routed_experts(per_expert, x, slots, act), want, f"{key} per-expert")
+            _assert_close(native.routed_experts(per_expert, x, slots, act), want, f"{key} per-expert")
 
 
 @built
@@ -197,7 +199,7 @@ def test_dense_any_shape_matches_oracle(T, K, E, H, I, in_scale, per_expert, see
     slots = _slots(T, K, E, seed, in_scale=in_scale)
     x = _x(T, H, seed)
     act = ACTIVATIONS["silu"]
-    _assert_close(native_cpu.routed_experts(experts, x, slots, act), _oracle(dense, x, slots, act), "hypothesis")
+    _assert_close(native.routed_experts(experts, x, slots, act), _oracle(dense, x, slots, act), "hypothesis")
 
 
 @built
@@ -207,7 +209,7 @@ def test_prefill_many_rows_matches_oracle():
     x = _x(T, H)
     slots = _slots(T, K, E, 2)
     act = ACTIVATIONS["gelu_tanh"]
-    got = jax.jit(lambda e, x, s: native_cpu.routed_experts(e, x, s, act))(_fused_per_expert(dense), x, slots)
+    got = jax.jit(lambda e, x, s: native.routed_experts(e, x, s, act))(_fused_per_expert(dense), x, slots)
     _assert_close(got, _oracle(dense, x, slots, act), "prefill")
 
 
@@ -255,7 +257,7 @@ def test_row_bits_do_not_depend_on_batch_position_neighbours_or_threads(fmt):
         H, I = 160, 96
         experts = _quantized(fmt, E=E)
     act = ACTIVATIONS["silu"]
-    run = jax.jit(lambda x, s, n: native_cpu.routed_experts(experts, x, s, act, max_threads=n), static_argnums=2)
+    run = jax.jit(lambda x, s, n: native.routed_experts(experts, x, s, act, max_threads=n), static_argnums=2)
     row = np.asarray(_x(1, H, 9))
     row_slots = _slots(1, K, E, 9, skipped=False)
     alone = np.asarray(run(row, row_slots, 0))[0]
@@ -281,32 +283,32 @@ def test_bad_inputs_raise_in_python():
     experts = to_layout(_dense(4, 8, 6), "per_expert")
     x, slots, act = _x(2, 8), _slots(2, 2, 4, 0), ACTIVATIONS["silu"]
     with pytest.raises(ValueError, match="x must be"):
-        native_cpu.routed_experts(experts, x[None], slots, act)
+        native.routed_experts(experts, x[None], slots, act)
     with pytest.raises(ValueError, match="x must be float32"):
-        native_cpu.routed_experts(experts, x.astype(jnp.int32), slots, act)
+        native.routed_experts(experts, x.astype(jnp.int32), slots, act)
     with pytest.raises(ValueError, match="indices must be integer"):
-        native_cpu.routed_experts(experts, x, Slots(slots.indices.astype(jnp.float32), slots.out_weight), act)
+        native.routed_experts(experts, x, Slots(slots.indices.astype(jnp.float32), slots.out_weight), act)
     with pytest.raises(ValueError, match="out_weight must be"):
-        native_cpu.routed_experts(experts, x, Slots(slots.indices, slots.out_weight[:, :1]), act)
+        native.routed_experts(experts, x, Slots(slots.indices, slots.out_weight[:, :1]), act)
     with pytest.raises(ValueError, match="indices must be"):
-        native_cpu.routed_experts(experts, x, Slots(slots.indices[:1], slots.out_weight[:1]), act)
+        native.routed_experts(experts, x, Slots(slots.indices[:1], slots.out_weight[:1]), act)
     with pytest.raises(ValueError, match="gate_up_weight must be"):
-        native_cpu.routed_experts(experts, _x(2, 9), slots, act)  # H of x is not the weights' H
+        native.routed_experts(experts, _x(2, 9), slots, act)  # H of x is not the weights' H
     q = _quantized("int8_g16", E=4)
     bad = Q.quantize_experts(_dense(4, 160, 96), Q.format_by_name("int8", group_size=16))
     bad = type(bad)(**{**bad.fields(), "gate_q": bad.gate_q.astype(jnp.int8)})
     with pytest.raises(ValueError, match="gate_q must be uint8"):
-        native_cpu.routed_experts(bad, _x(2, 160), slots, act)
+        native.routed_experts(bad, _x(2, 160), slots, act)
     misaligned = PerExpert((*q.unstack().parts[:3], to_layout(_dense(1, 160, 96), "per_expert").parts[0]))
     with pytest.raises(ValueError, match="one format"):
-        native_cpu.routed_experts(misaligned, _x(2, 160), slots, act)
+        native.routed_experts(misaligned, _x(2, 160), slots, act)
 
 
 @built
 def test_unsupported_cases_raise_not_implemented():
     x, slots = _x(3, 16), _slots(3, 2, 4, 0)
     with pytest.raises(NotImplementedError, match="LoRA"):  # "auto" then runs the XLA/CPU plans (test_lora.py)
-        native_cpu.routed_experts(_dense(4, 16, 8), x, slots, ACTIVATIONS["silu"], lora=object())
+        native.routed_experts(adapt(_dense(4, 16, 8), ExpertLoRA()), x, slots, ACTIVATIONS["silu"])
     assert backends.candidates("auto", 3, 2)[0] == "native"
     # ragged_dot comes first for grouped calls but is chosen only in programs lowered for TPU/GPU
     assert next(name for name in backends.candidates("auto", 300, 2) if name != "ragged") == "native"
@@ -317,7 +319,7 @@ def test_unsupported_cases_raise_not_implemented():
 
 @pytest.fixture
 def generic_isa():
-    module = native_cpu._module()
+    module = native._module()
     assert module.set_isa("generic") == "generic"
     yield
     module.set_isa("best")
@@ -329,30 +331,30 @@ def test_portable_variant_matches_oracle(generic_isa):
     for key in QUANTIZED:
         q = _quantized(key)
         x, s = _x(3, 160), _slots(3, 2, 6, 0, in_scale=True)
-        _assert_close(native_cpu.routed_experts(q, x, s, act), _oracle(q, x, s, act), f"generic {key}")
+        _assert_close(native.routed_experts(q, x, s, act), _oracle(q, x, s, act), f"generic {key}")
     for dtype in DENSE:
         d = _dense(5, 19, 11, dtype)
         x, s = _x(4, 19), _slots(4, 2, 5, 0)
         for experts in (d, _fused_per_expert(d)):
-            _assert_close(native_cpu.routed_experts(experts, x, s, act), _oracle(d, x, s, act), f"generic {dtype}")
+            _assert_close(native.routed_experts(experts, x, s, act), _oracle(d, x, s, act), f"generic {dtype}")
 
 
 def test_without_the_extension_auto_runs_the_cpu_plans(monkeypatch):
     """As installed without a compiler (MOEJAX_NATIVE_BUILD=0): the import of moejax._native_cpu fails."""
-    native_cpu._module.cache_clear()
+    native._module.cache_clear()
     monkeypatch.setitem(sys.modules, "moejax._native_cpu", None)  # import raises ImportError
     try:
-        assert not native_cpu.available() and native_cpu.isa() is None
+        assert not native.available() and native.isa() is None
         cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=16, intermediate_size=8, num_experts=4, top_k=2)
         params = moejax.init_params(cfg, jax.random.key(0))
         x = _x(3, 16)
         assert "native" not in backends.candidates("auto", 3, cfg.top_k)
         assert moejax.forward.chosen_impl(params, x, cfg) == "cpu_decode"
         with pytest.raises(NotImplementedError, match="not built"):
-            native_cpu.routed_experts(params.experts, x, _slots(3, 2, 4, 0), ACTIVATIONS["silu"])
+            native.routed_experts(params.experts, x, _slots(3, 2, 4, 0), ACTIVATIONS["silu"])
         monkeypatch.setenv("MOEJAX_NATIVE", "0")  # the run-time switch hides a built extension too
         monkeypatch.delitem(sys.modules, "moejax._native_cpu")
-        native_cpu._module.cache_clear()
-        assert not native_cpu.available()
+        native._module.cache_clear()
+        assert not native.available()
     finally:
-        native_cpu._module.cache_clear()
+        native._module.cache_clear()

@@ -1,6 +1,6 @@
 """The tile kernels over quantized expert weights (int8/int4 group-wise, FP8 128x128 blocks, MXFP4, NVFP4): in
-Mosaic GPU interpret mode on CPU against `moejax.experts.reference_routed` of the dequantized weights, through
-moejax's kernel adapter (`moejax.kernel_plans`), and lowered for CUDA from this CPU host.
+Mosaic GPU interpret mode on CPU against `moejax.backends.reference.reference_routed` of the dequantized weights,
+through moejax's kernel adapter (`moejax.backends.pallas`), and lowered for CUDA from this CPU host.
 
 Interpretation is slow (seconds per call): one small case per format, each exercising several properties at once
 (empty experts, ids >= E, awkward shapes where the format allows them, decode and grouped). The sm_90a compile
@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from moejax import kernel_plans
-from moejax.experts import Slots, reference_routed
+from moejax.backends import pallas as kernel_plans
+from moejax.backends.reference import reference_routed
+from moejax.experts import Slots
 from moejax.quantized import format_by_name
 from pallas_kernels import GatedActivation, QuantizedWeight
 from pallas_kernels.decode import moe_decode_reference

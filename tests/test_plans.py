@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moejax
+from moejax.backends.xla import union_of_experts
 from moejax.experts import Slots, expert_activation, slots_from_routing
-from moejax.plans import union_of_experts
 from moejax.weights import ExpertWeights, FusedExpertWeights
 
 FAMILIES = moejax.FAMILIES
@@ -187,7 +187,7 @@ def test_grouped_plan_reads_each_expert_once_per_block(monkeypatch, E, T, K, blo
     routing, slots = _slots(params, x, cfg)
     reads = _count_expert_reads(monkeypatch, params.experts)
     _run("xla_grouped", params, x, slots, cfg, block_rows=block_rows)
-    B = block_rows or moejax.plans.grouped_block_rows(T * K, E)
+    B = block_rows or moejax.backends.xla.grouped_block_rows(T * K, E)
     counts = np.bincount(np.asarray(routing.indices).ravel(), minlength=E)
     expected_blocks = {e: -(-int(c) // B) for e, c in enumerate(counts) if c}
     assert {e: reads.count(e) for e in set(reads)} == expected_blocks  # empty experts are never read

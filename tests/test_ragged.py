@@ -1,5 +1,5 @@
-"""The `ragged` backend (`moejax.ragged`: grouped matmuls on `jax.lax.ragged_dot`) against the dense reference on
-CPU, and where "auto" takes it: in programs lowered for TPU/GPU only, never on CPU."""
+"""The `ragged` backend (`moejax.backends.ragged`: grouped matmuls on `jax.lax.ragged_dot`) against the dense
+reference on CPU, and where "auto" takes it: in programs lowered for TPU/GPU only, never on CPU."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 import moejax
-from moejax import backends, native_cpu
-from moejax.experts import Slots, reference_routed
-from moejax.ragged import ragged_grouped
+from moejax import backends
+from moejax.backends import native
+from moejax.backends.ragged import ragged_grouped
+from moejax.backends.reference import reference_routed
+from moejax.experts import Slots
 from moejax.weights import ExpertWeights
 from pallas_kernels.activations import GatedActivation
 
@@ -72,10 +74,10 @@ def test_auto_takes_ragged_dot_only_where_lowered_for_an_accelerator():
     assert "ragged" not in backends.candidates("auto", 2, 2)  # decode-sized calls keep the decode plans
     for platform in ("tpu", "cuda"):
         text = _lowered_text("auto", platform)
-        assert "ragged_dot" in text and native_cpu.TARGET not in text  # the native kernels are CPU-only
+        assert "ragged_dot" in text and native.TARGET not in text  # the native kernels are CPU-only
     cpu = _lowered_text("auto", "cpu")
     assert "ragged_dot" not in cpu
-    assert (native_cpu.TARGET in cpu) if native_cpu.available() else ("stablehlo.while" in cpu)
+    assert (native.TARGET in cpu) if native.available() else ("stablehlo.while" in cpu)
     decode_tpu = _lowered_text("auto", "tpu", T=2)
-    assert "ragged_dot" not in decode_tpu and native_cpu.TARGET not in decode_tpu
+    assert "ragged_dot" not in decode_tpu and native.TARGET not in decode_tpu
     assert "ragged_dot" in _lowered_text("auto", "tpu", batch=3)  # under vmap the choice is still made lowering

@@ -15,7 +15,7 @@ from test_pallas_quantized import assert_close as assert_close_quantized
 from test_pallas_quantized import random_experts
 
 import moejax
-from moejax import kernel_plans
+from moejax.backends import pallas as kernel_plans
 from pallas_kernels import tpu_decode, tpu_grouped
 from pallas_kernels.activations import GatedActivation
 

@@ -1,76 +1,20 @@
-"""Routed-expert plans for XLA:CPU that read every expert's weights in place: `switch_decode`, `switch_grouped`.
+"""The "cpu_decode" and "cpu_grouped" backends: the routed experts on XLA:CPU, weights read in place.
 
-Both compute `Σ_k out_weight[t, k] · E_{indices[t, k]}(rows)` as float32 `[T, H]`. They are format-agnostic: one
-callable per expert, `expert_fns[e](rows [R, H]) -> [R, H] float32` (R static), closing over that expert's OWN
-arrays, dispatched with `jax.lax.switch`. Everything stays on device inside jit: static shapes, loop trip counts
-are device values, one compiled program per input shape. The dense experts they run on CPU are
-`moejax.weights.FusedExpertWeights` (Hugging Face layout, gate and up fused: the fastest measured for them).
+`switch_decode` and `switch_grouped` compute `Σ_k out_weight[t, k] · E_{indices[t, k]}(rows)` as float32 `[T, H]`
+over one callable per expert, `expert_fns[e](rows [R, H], *ids) -> [R, H]` (R static), closing over expert e's
+own arrays (the per-expert layout, `moejax.weights.PerExpert`) and dispatched by `jax.lax.switch`: XLA:CPU hands
+such a branch's dot the expert's buffers, where a slice of a stacked array is copied first. Static shapes, loop
+trip counts on the device, one program per input shape.
 
-Measurements quoted: jax 0.10.2 XLA:CPU on this 2-core VM (shared with other jobs, so each number is the minimum
-over interleaved rounds; weights evicted from the 480 MB L3 before every call), Qwen3-30B-A3B sizes (H=2048,
-I=768, E=128, K=8) unless said; the benchmark script lives outside the repository.
-
-Why a switch over per-expert callables: a `dynamic_index` of a stacked `[E, H, I]` tensor is copied before the
-dot (10.5 GB/s vs 22-23 GB/s in place, eight `[1, 2048] x [2048, 768]` products) and in bfloat16 XLA hoists a
-convert of the WHOLE stacked tensor (70x slower); a switch branch closing over expert e's arrays hands the dot
-those buffers directly.
-
-Decode, `switch_decode` (T <= 8 rows, T·K <= 64 slots; weight reads dominate):
-  1. Union of the chosen experts by pairwise comparison of the T·K ids (no sort); ids outside [0, E) are skipped
-     and never computed.
-  2. The rows of union expert u: each row once however many of its slots chose u, and rows with bit-identical
-     inputs (x and input scale) once (8 copies of one token compute one row per expert). They are padded, with
-     a copy of u's first row, to the smallest ROW CLASS that holds them: float32 {2, 4, T}, so an expert chosen
-     by one row multiplies 2 rows, not T (YNNPACK `[M,2048]x[2048,768]`: 0.75 ms at M=2, 0.94 at M=8).
-  3. Union experts are sorted by (expert group, row class); each (group, class) segment is one `fori_loop` over a
-     device count with one `lax.switch` over the group's <= SWITCH_GROUP experts: every union expert runs once,
-     so its weights are read once per step.
-  4. Each row gathers its slots' results and sums them in slot order.
-
-Grouped, `switch_grouped` (prefill, any T; arithmetic and per-call overheads dominate):
-  1. (token, slot) pairs are sorted by expert (stable; skipped ids last, never computed).
-  2. Expert e's n pairs become `n // B` full blocks of B rows and one tail block of the smallest class >= the
-     remainder. Classes are (1, 1.25, 1.5) x the mean pairs per expert in multiples of 8, at least
-     GROUPED_MIN_ROWS: most experts get ONE block, because a block's fixed cost dwarfs padding (YNNPACK packs
-     each weight matrix on every call: a `[M,2048]x[2048,768]` product costs ~0.95 ms + 0.0105 ms·M, so one
-     extra block costs as much as ~90 padded rows; M=16/32/64/128/256: 1.1/1.4/1.5/2.3/3.6 ms).
-  3. Blocks run through the same (group, class) loops; each scatters its real rows to pair order (padding rows
-     are dropped).
-  4. Each row sums its slots in slot order.
-
-LoRA (`adapter=`): the expert fns take the rows' adapter ids too and add each row's deltas (`moejax.lora.expert_ffn`);
-the plans only route the ids with the rows, and never merge rows of different adapters in decode.
-
-Semantics: `in_scale` (Llama-4: the routing weight scales the expert input) uses the SUMMED-SCALE form: a row that
-picks expert e in several slots runs e once on `(Σ_{k: idx=e} in_scale[t, k]) · x[t]` (rounded to the dtype of x)
-and each of those slots takes that result times its own `out_weight` (as `moejax.experts.reference_routed`).
-Slots with `out_weight == 0` or a skipped id contribute exactly 0, even when the expert output is not finite.
-
-Batch invariance (for a fixed T a row's bits do not depend on the other rows): a row's result comes from its own
-row of an expert call and is combined over its own slots in slot order, so it holds when the expert's row results
-do not depend on R (the rows in the call) nor on the row's position. Measured on XLA:CPU: float32 YNNPACK dots
-(every M >= 2) are bitwise consistent, M = 1 (XLA's own GEMV) is not; YNNPACK's bfloat16 dots switch kernels with
-M (M=2 vs M>=3 at 2048x768, M<=5 vs M>=6 at 40x56), hence ONE class per T for non-float32 x (rows padded to T)
-and grouped classes >= 16; `FusedExpertWeights` pads 2..8 float32 rows to 8 (its reduction splits differently at
-<=4 and >=5 rows at 7168x2048) and says so (`padded_rows`), so the plan compiles one class for them. At T = 1 a
-row has no neighbours, so its single-row products may use XLA's GEMV.
-
-Compile time (limit 10 s at E=256) shaped the structure:
-  * Many branches in one conditional make XLA's copy insertion superlinear: a 256-way FFN switch in a
-    `fori_loop` compiles in 2.5-3.9 s, four loops of 64-way switches in 0.7 s; 1024 one-dot branches in one
-    switch take 30 s. Hence SWITCH_GROUP = 64 experts per switch and one switch per (group, class).
-  * Every row class is another copy of every expert's code: classes are few (<= 3), and the plan merges classes
-    an expert fn declares equal-cost (`padded_rows`).
-  * Single-row products compile to XLA's LLVM GEMV (~13 ms each; 768 at E=256: 10-18 s), so T = 1 uses them
-    only up to GEMV_MAX_EXPERTS experts and float32 x; otherwise 2 rows (a duplicated row).
-
-Tried and dropped (measured): two independent chains of loops to use both cores (XLA:CPU's thunk executor runs
-independent top-level thunks concurrently, e.g. 24 independent GEMVs 1.8x faster than chained, but never two
-while loops, two switches in one loop body, nor the thunks of one branch: cpu/wall stayed 1.0), so expert work
-runs on one core; `[in, out]` weights for decode (XLA's column GEMV: 0.64 vs 0.45 ms per float32 product,
-T=1 2.6-2.9x slower with gate/up fused); YNNPACK dots for 2..8 float32 rows (0.97 / 1.26 ms at 2 / 8 rows vs
-0.74 / 0.78 ms for the multiply-reduce of `FusedExpertWeights`); classes {2, 8} or {T} instead of {2, 4, 8} for
-float32 dot experts at T=8 (1.14x / ~1.5x the time).
+Decode (T <= 8 rows, T·K <= 64 slots): the union of the chosen experts (pairwise comparison, no sort); each union
+expert runs once on the rows that chose it (rows with bit-identical inputs and ids once), padded to the smallest
+row class that holds them, in one `fori_loop` per (switch group, row class). Grouped (any T): pairs sorted by
+expert, each expert's pairs in blocks (full blocks and one tail block of the smallest class), through the same
+loops. Each row sums its slots in slot order, so a row's bits do not depend on the other rows (batch
+invariance: the row classes keep every dot's row count in a range where its bits do not change). `in_scale` uses
+the summed-scale form: a row that picks expert e in several slots runs e once on `(Σ scales) · x`. Slots with
+weight 0 or a skipped id contribute exactly 0. The measurements behind the row classes, SWITCH_GROUP and
+GEMV_MAX_EXPERTS are in docs/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -81,10 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.experts import Slots
+from moejax.weights import Experts
+from pallas_kernels.activations import GatedActivation
 from pallas_kernels.decode import union_of_experts
 
 Array = jax.Array
-ExpertFn = Callable[[Array], Array]
+ExpertFn = Callable[..., Array]
 
 SWITCH_GROUP = 64  # experts per lax.switch (compile time, see the module docstring)
 GEMV_MAX_EXPERTS = 128  # T = 1 float32 uses 1-row products (XLA GEMV) up to this many experts
@@ -161,9 +108,9 @@ def _segment_loops(
       expert_fns: the E expert callables.
       classes: the static row counts, ascending.
       key_of_item: `[N] int32`, `class_index * G + group` of each item to run, `>= C * G` for items to skip.
-      step: `step(r, call, item, carry) -> carry`; `call(e, rows [r, H], *extra) -> [r, H] float32` runs
+      step: `step(r, call, item, carry) -> carry`; `call(e, rows [r, H], *ids) -> [r, H] float32` runs
         expert e (traced, within the loop's group) through one `lax.switch` over the group's experts, as
-        `expert_fns[e](rows, *extra)` (extra: the rows' adapter ids with LoRA).
+        `expert_fns[e](rows, *ids)` (ids: the rows' ids, when the experts read them).
       carry: the initial carry.
 
     Returns:
@@ -192,39 +139,26 @@ def _segment_loops(
 
 
 def switch_decode(
-    expert_fns: Sequence[ExpertFn],
-    x: Array,
-    indices: Array,
-    in_scale: Array | None,
-    out_weight: Array,
-    *,
-    adapter: Array | None = None,
-    row_classes: Sequence[int] | None = None,
-    padded_rows: int = 1,
+    expert_fns: Sequence[ExpertFn], x: Array, slots: Slots, row_ids: Array | None = None, *, padded_rows: int = 1
 ) -> Array:
-    """Routed output reading each chosen expert once, on the rows that chose it (see the module docstring).
+    """Routed output `[T, H]` float32 reading each chosen expert once, on the rows that chose it.
 
     Args:
-      expert_fns: E callables; `expert_fns[e](rows [R, H])` (R static, dtype of x) -> `[R, H]` float32.
-      x: `[T, H]` float32 or bfloat16, T <= DECODE_MAX_ROWS.
-      indices: `[T, K]` int32, T·K <= DECODE_MAX_SLOTS; ids outside [0, E) are skipped (never computed).
-      in_scale: `[T, K]` float32 or None; if given, the expert input of slot (t, k) is scaled by it (the
-        summed-scale form for a row that picks an expert twice).
-      out_weight: `[T, K]` float32, the weight of each slot's output (0 for skipped slots).
-      adapter: `[T]` int32 LoRA adapter ids of the rows, or None. When given, the expert fns are called
+      expert_fns: E callables; `expert_fns[e](rows [R, H], *ids)` (R static, dtype of x) -> `[R, H]` float32.
+      x: `[T, H]` float32 or bfloat16, T <= 8.
+      slots: `[T, K]` expert ids (T·K <= 64; ids outside [0, E) are skipped, never computed), output weights and
+        optional input scales (summed-scale form); `slots.adapter` is not read.
+      row_ids: `[T]` int32 ids of the rows, or None. When given, the expert fns are called
         `expert_fns[e](rows, ids [R])` with each computed row's id (padding rows repeat a real row and its id),
         and rows with bit-identical inputs share a computed row only when their ids are equal too.
-      row_classes: override of `decode_row_classes` (ascending static row counts, the last >= T unless T = 1).
       padded_rows: the expert fns run 2..padded_rows rows at the cost of padded_rows (they pad them): the plan
         compiles one row class for that range (`ExpertFormat.padded_rows`).
-
-    Returns:
-      `[T, H]` float32.
     """
+    indices, in_scale, out_weight = slots.indices, slots.in_scale, slots.out_weight
     T, K = indices.shape
     E, H, M = len(expert_fns), x.shape[-1], T * K
-    classes = tuple(sorted(set(row_classes or decode_row_classes(T, E, x.dtype))))
-    if padded_rows > 1 and row_classes is None:  # 2..padded_rows rows cost the same: one class for them
+    classes = decode_row_classes(T, E, x.dtype)
+    if padded_rows > 1:  # 2..padded_rows rows cost the same: one class for them
         small = [c for c in classes if 2 <= c <= padded_rows]
         classes = tuple(sorted({c for c in classes if not 2 <= c <= padded_rows} | set(small[-1:])))
     R = classes[-1]
@@ -242,8 +176,8 @@ def switch_decode(
     if in_scale is not None:
         row_scale = jnp.einsum("utk,tk->ut", member.astype(jnp.float32), in_scale.astype(jnp.float32))  # [U, T]
         same_input &= row_scale[:, :, None] == row_scale[:, None, :]
-    if adapter is not None:  # rows of different adapters compute different results
-        same_input &= (adapter[:, None] == adapter[None, :])[None]
+    if row_ids is not None:  # rows of different ids compute different results
+        same_input &= (row_ids[:, None] == row_ids[None, :])[None]
     shared_with = jnp.argmax(same_input, axis=-1)  # [U, T]: the first row of u with row t's input
     computed = hit & (shared_with == jnp.arange(T))  # [U, T]: rows u computes
     count = computed.sum(-1, dtype=jnp.int32)  # [U]
@@ -263,8 +197,8 @@ def switch_decode(
         rows = x[row_list[u, :r]]  # [r, H]
         if in_scale is not None:
             rows = _scaled(rows, list_scale[u, :r])
-        extra = () if adapter is None else (adapter[row_list[u, :r]],)
-        y = call(union_ids[u], rows, *extra)  # [r, H]
+        ids = () if row_ids is None else (row_ids[row_list[u, :r]],)
+        y = call(union_ids[u], rows, *ids)  # [r, H]
         return jax.lax.dynamic_update_slice(out, y[None], (u, 0, 0))
 
     outs = _segment_loops(expert_fns, classes, key, step, jnp.zeros((U, R, H), jnp.float32))
@@ -273,35 +207,15 @@ def switch_decode(
 
 
 def switch_grouped(
-    expert_fns: Sequence[ExpertFn],
-    x: Array,
-    indices: Array,
-    in_scale: Array | None,
-    out_weight: Array,
-    *,
-    adapter: Array | None = None,
-    row_classes: Sequence[int] | None = None,
-    padded_rows: int = 1,
+    expert_fns: Sequence[ExpertFn], x: Array, slots: Slots, row_ids: Array | None = None, *, padded_rows: int = 1
 ) -> Array:
-    """Routed output over (token, slot) pairs sorted by expert, in blocks (see the module docstring).
-
-    Args:
-      expert_fns: E callables; `expert_fns[e](rows [R, H])` (R static, dtype of x) -> `[R, H]` float32.
-      x: `[T, H]` float32 or bfloat16, any T.
-      indices: `[T, K]` int32; ids outside [0, E) are skipped (never computed).
-      in_scale: `[T, K]` float32 or None (summed-scale form, as in `switch_decode`).
-      out_weight: `[T, K]` float32.
-      adapter: `[T]` int32 LoRA adapter ids of the rows, or None; when given the expert fns are called
-        `expert_fns[e](rows, ids [R])`, each block row with its pair's token's id (padding rows' results dropped).
-      row_classes: override of `grouped_row_classes` (block row counts; the largest is the full block).
-      padded_rows: as in `switch_decode`; blocks have at least GROUPED_MIN_ROWS > padded_rows rows.
-
-    Returns:
-      `[T, H]` float32.
-    """
+    """Routed output `[T, H]` float32 over (token, slot) pairs sorted by expert, in blocks of
+    `grouped_row_classes` rows, any T; arguments as `switch_decode` (each block row carries its pair's token's
+    id; padding rows' results are dropped). Blocks have at least GROUPED_MIN_ROWS > padded_rows rows."""
+    indices, in_scale, out_weight = slots.indices, slots.in_scale, slots.out_weight
     T, K = indices.shape
     E, H, M = len(expert_fns), x.shape[-1], T * K
-    classes = tuple(sorted(set(row_classes or grouped_row_classes(M, E))))
+    classes = grouped_row_classes(M, E)
     if classes[0] <= padded_rows:
         raise ValueError(f"block row classes {classes} must exceed the experts' padded_rows={padded_rows}")
     B, C = classes[-1], len(classes)
@@ -332,10 +246,35 @@ def switch_grouped(
         xb = x[pairs // K]  # [r, H]
         if in_scale is not None:
             xb = _scaled(xb, pair_scale[pairs])
-        extra = () if adapter is None else (adapter[pairs // K],)
-        y = call(block_expert[b], xb, *extra)  # [r, H]
+        ids = () if row_ids is None else (row_ids[pairs // K],)
+        y = call(block_expert[b], xb, *ids)  # [r, H]
         dest = jnp.where(jnp.arange(r) < block_real[b], pairs, M + jnp.arange(r))  # padding rows: dropped
         return out.at[dest].set(y, mode="drop", unique_indices=True)
 
     per_pair = _segment_loops(expert_fns, classes, key, step, jnp.zeros((M, H), jnp.float32))
     return _combine(per_pair.reshape(T, K, H), out_weight, valid)
+
+
+def _expert_fns(experts: Experts, act: GatedActivation) -> list[ExpertFn]:
+    """One callable per expert of the per-expert layout; `NotImplementedError` for the stacked layout. Expert e's
+    object is made inside its switch branch, so a wrapper's per-expert slices stay in the branch."""
+    if experts.layout != "per_expert":
+        raise NotImplementedError(
+            "the CPU plans read the per-expert layout (moejax.weights.to_layout(experts, 'per_expert'))"
+        )
+    return [lambda rows, *ids, e=e: experts.expert(e).ffn(rows, act, *ids) for e in range(experts.num_experts)]
+
+
+def cpu_decode(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
+    """The "cpu_decode" backend: `switch_decode` over the per-expert layout (`block_rows` is ignored)."""
+    del block_rows
+    fns = _expert_fns(experts, act)
+    return switch_decode(fns, x, slots, experts.row_ids(slots), padded_rows=experts.padded_rows)
+
+
+def cpu_grouped(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
+    """The "cpu_grouped" backend: `switch_grouped` over the per-expert layout (`block_rows` is ignored: the
+    blocks are the plan's row classes)."""
+    del block_rows
+    fns = _expert_fns(experts, act)
+    return switch_grouped(fns, x, slots, experts.row_ids(slots), padded_rows=experts.padded_rows)

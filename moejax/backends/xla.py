@@ -1,12 +1,12 @@
-"""Execution plans for the routed experts on the XLA path: union-of-experts decode and grouped prefill.
+"""The "xla_decode" and "xla_grouped" backends: union-of-experts decode and grouped prefill on the stacked layout.
 
 Both compute `Σ_k w_k · E_{idx_k}(s_k · x)` as float32 `[T, H]` from the narrow `Slots` (ids, input scales,
 output weights) and the `GatedActivation`. They read expert weights only through the format's `expert(e)` view
-(traced e, stacked layout; XLA:CPU copies such a slice before its dot, which is why the CPU backend uses
-`moejax.cpu_plans` on the per-expert layout). Each row is combined over its own slots in slot order, and every
-expert call has a row count fixed by the shapes (T rows in decode, B in grouped), so for a given T a row's output
-does not depend on the other rows of the batch (batch invariance). Neither sorts on the host or syncs:
-every shape is static, loop trip counts are device values.
+(traced e, stacked layout; XLA:CPU copies such a slice before its dot, which is why the CPU backend,
+`moejax.backends.cpu`, reads the per-expert layout); experts that read per-row ids (`row_ids`) get each row's.
+Each row is combined over its own slots in slot order, and every expert call has a row count fixed by the shapes
+(T rows in decode, B in grouped), so for a given T a row's output does not depend on the other rows of the batch
+(batch invariance). Neither sorts on the host or syncs: every shape is static, loop trip counts are device values.
 
 Decode (T <= 8 rows, T·K <= 64 slots): weight reads dominate, so each expert chosen by any row is read once.
   1. Dedupe the T·K selected ids into the union with a pairwise comparison (no sort): a slot is a "first"
@@ -33,9 +33,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moejax.experts import Slots, check_lora_slots, combine_slots
-from moejax.lora import ExpertLoRA, expert_ffn
-from moejax.weights import Experts, as_stacked
+from moejax.experts import Slots, combine_slots
+from moejax.weights import Experts
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.decode import union_of_experts
 
@@ -50,16 +49,20 @@ def decode_fits(num_rows: int, top_k: int) -> bool:
     return num_rows <= DECODE_MAX_ROWS and num_rows * top_k <= DECODE_MAX_SLOTS
 
 
-def decode_plan(
-    experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora: ExpertLoRA | None = None
-) -> Array:
-    """Routed output `[T, H]` float32 reading each selected expert once (see the module docstring).
+def decode_plan(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
+    """Routed output `[T, H]` float32 reading each selected expert once (see the module docstring); union expert
+    u runs on all T rows (with their ids, `row_ids`). `block_rows` is ignored.
 
-    With `lora`, union expert u's base weights are still read once; its rows get their own adapters' deltas
-    (`slots.adapter`: each row gathers its own adapter's A and B of u, `moejax.lora.expert_ffn`)."""
-    adapter = check_lora_slots(lora, slots)
-    experts = as_stacked(experts)
+    Raises:
+      NotImplementedError: more than DECODE_MAX_ROWS rows or DECODE_MAX_SLOTS slots.
+    """
+    del block_rows
     T, K = slots.indices.shape
+    if not decode_fits(T, K):
+        raise NotImplementedError(f"xla_decode serves T <= 8 rows and T·K <= 64 slots, got T={T}, K={K}")
+    ids = experts.row_ids(slots)
+    experts = experts.stacked()
+    extra = () if ids is None else (ids,)
     M = T * K
     E = experts.num_experts
     union_ids, n_union, slot_position = union_of_experts(slots.indices, E)
@@ -71,8 +74,7 @@ def decode_plan(
 
     def one_union_expert(u: Array, outputs: Array) -> Array:
         rows = x if slots.in_scale is None else x * row_scale[u][:, None]
-        e = union_ids[u]
-        y = expert_ffn(experts.expert(e), rows, act, None if lora is None else lora.expert(e), adapter)  # [T, H]
+        y = experts.expert(union_ids[u]).ffn(rows, act, *extra)  # [T, H]
         return jax.lax.dynamic_update_index_in_dim(outputs, y, u, 0)
 
     outputs = jnp.zeros((M, T, x.shape[-1]), jnp.float32)  # [M, T, H]
@@ -96,17 +98,16 @@ def grouped_plan(
     slots: Slots,
     act: GatedActivation,
     *,
-    lora: ExpertLoRA | None = None,
     block_rows: int | None = None,
 ) -> Array:
     """Routed output `[T, H]` float32 over pairs sorted by expert, in blocks (see the module docstring).
 
     An expert with n pairs gets `ceil(n / B)` blocks of B = `block_rows` rows (the last one padded): each
-    expert's weights are read `ceil(n / B)` times, and every expert call has B rows whatever the routing. With
-    `lora`, each block row gets the deltas of its pair's token's adapter (`slots.adapter`).
+    expert's weights are read `ceil(n / B)` times, and every expert call has B rows whatever the routing. Each
+    block row carries its pair's token's id when the experts read ids (`row_ids`).
     """
-    adapter = check_lora_slots(lora, slots)
-    experts = as_stacked(experts)
+    ids = experts.row_ids(slots)
+    experts = experts.stacked()
     T, K = slots.indices.shape
     E, H, M = experts.num_experts, x.shape[-1], T * K
     B = block_rows or grouped_block_rows(M, E)
@@ -132,8 +133,8 @@ def grouped_plan(
         if pair_scale is not None:
             xb = xb * pair_scale[rows][:, None]
         e = block_expert[b]
-        ids = None if adapter is None else adapter[pair_token[rows]]  # [B]
-        yb = expert_ffn(experts.expert(e), xb, act, None if lora is None else lora.expert(e), ids)  # [B, H]
+        extra = () if ids is None else (ids[pair_token[rows]],)  # [B]
+        yb = experts.expert(e).ffn(xb, act, *extra)  # [B, H]
         return jax.lax.dynamic_update_slice_in_dim(sorted_out, yb, row_start[b], 0)
 
     sorted_out = jnp.zeros((M + B, H), jnp.float32)  # B spare rows: a last block never clamps its start

@@ -1,17 +1,15 @@
-"""The routed experts on the Pallas kernels: adapts `(experts, x, Slots, GatedActivation)` to `pallas_kernels`.
+"""The "pallas_decode" and "pallas_grouped" backends: the routed experts on the Pallas kernels (`pallas_kernels`).
 
-Same contract as the XLA plans (`moejax.plans`): float32 `[T, H]` `Σ_k w_k · E_k(s_k · x)`, skipped ids
+Same contract as the other backends (`moejax.backends`): float32 `[T, H]` `Σ_k w_k · E_k(s_k · x)`, skipped ids
 (>= num_experts) contribute nothing, Llama-4's input scaling through `Slots.in_scale`. A config a kernel
-cannot serve raises `NotImplementedError`, so that `impl="auto"` falls back to the XLA plans.
+cannot serve raises `NotImplementedError` (other formats and wrappers of them), so that `impl="auto"` falls back
+to the XLA or CPU plans.
 
 What the kernels read: dense stacked `ExpertWeights` (bf16/f16/f32), or stacked `QuantizedExperts` (int8/int4
 group-wise, FP8 128x128 blocks, MXFP4, NVFP4), passed as `pallas_kernels.QuantizedWeight`s over the very arrays
 moejax stores (codes, scales, zero points, NVFP4's scale2: no copy, no dequantization here). The kernels dequantize
 each pipeline step's tile in registers, after its TMA load into shared memory and before the bf16 wgmma
 (docs/FORMATS.md, "Kernels"); x and h are bf16 there.
-
-LoRA: the kernels do not apply adapters; with adapters (`lora=`) they raise `NotImplementedError` and
-impl='auto' runs the XLA plans (or the CPU plans on the per-expert layout).
 
 The kernels are called with `interpret=None`: the platform the program is lowered for decides, so a program
 lowered for CUDA holds the compiled kernels (also when lowered on a CPU-only host: ahead-of-time compilation,
@@ -25,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from moejax.backends.xla import decode_fits
 from moejax.experts import Slots
-from moejax.plans import decode_fits
 from moejax.quantized import QuantizedExperts
 from moejax.weights import Experts, ExpertWeights
 from pallas_kernels.activations import GatedActivation
@@ -70,9 +68,7 @@ def quantized_weights(kernel: str, experts: QuantizedExperts) -> tuple[Quantized
     return tuple(out)
 
 
-def _kernel_args(kernel: str, experts: Experts, slots: Slots, act: GatedActivation, lora) -> tuple[tuple, dict]:
-    if lora is not None:
-        raise NotImplementedError(f"{kernel}: the kernels do not apply LoRA adapters")
+def _kernel_args(kernel: str, experts: Experts, slots: Slots, act: GatedActivation) -> tuple[tuple, dict]:
     if isinstance(experts, QuantizedExperts):
         weights = quantized_weights(kernel, experts)
     elif type(experts) is ExpertWeights:
@@ -101,22 +97,25 @@ def _kernel_args(kernel: str, experts: Experts, slots: Slots, act: GatedActivati
     return args, kwargs
 
 
-def pallas_decode(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora=None) -> Array:
+def pallas_decode(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
     """Routed output `[T, H]` float32 by the fused union-of-experts decode kernel (T <= 8, T·K <= 64)."""
+    del block_rows
     T, K = slots.indices.shape
     if not decode_fits(T, K):
         raise NotImplementedError(f"pallas_decode serves T <= 8 rows and T·K <= 64 slots, got T={T}, K={K}")
-    (gate, up, down, indices, weights, in_scale), kwargs = _kernel_args("pallas_decode", experts, slots, act, lora)
+    (gate, up, down, indices, weights, in_scale), kwargs = _kernel_args("pallas_decode", experts, slots, act)
     return pallas_kernels.moe_decode(x, gate, up, down, indices, weights, in_scale, **kwargs)
 
 
-def pallas_grouped(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora=None) -> Array:
+def pallas_grouped(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
     """Routed output `[T, H]` float32 by the grouped (block-aligned, sorted by expert) prefill kernels.
 
     Each pair is scaled on its own: with hash routing a row may pick an expert twice, and the models then scale
     that row's input by the summed weights (`weights_on_input` with hash routing is not a family today).
+    `block_rows` is ignored (the kernels' own blocks).
     """
-    (gate, up, down, indices, weights, in_scale), kwargs = _kernel_args("pallas_grouped", experts, slots, act, lora)
+    del block_rows
+    (gate, up, down, indices, weights, in_scale), kwargs = _kernel_args("pallas_grouped", experts, slots, act)
     return pallas_kernels.moe_grouped(x, gate, up, down, indices, weights, in_scale, **kwargs)
 
 

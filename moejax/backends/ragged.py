@@ -1,6 +1,7 @@
-"""Grouped prefill on `jax.lax.ragged_dot`: XLA's own grouped matmul (a native kernel on TPU and GPU).
+"""The "ragged" backend: grouped prefill on `jax.lax.ragged_dot`, XLA's own grouped matmul (a native kernel on TPU
+and GPU).
 
-Same contract as the XLA plans (`moejax.plans`): float32 `[T, H]` `Σ_k w_k · E_k(s_k · x)`, skipped ids (>= E)
+Same contract as the other backends (`moejax.backends`): float32 `[T, H]` `Σ_k w_k · E_k(s_k · x)`, skipped ids (>= E)
 contribute nothing, Llama-4's input scaling through `Slots.in_scale`.
 
 1. Stable argsort of the T·K (token, slot) pairs by expert id; skipped ids sort last. `group_sizes[e]` counts
@@ -17,7 +18,7 @@ lowering, `on_accelerators`), never on CPU: XLA:CPU expands `ragged_dot` into a 
 
 Weights: stacked dense `ExpertWeights`. Quantized formats raise `NotImplementedError` (ragged_dot takes a dense
 right operand: dequantizing would materialise every expert's weights on each call; the Pallas kernels read the
-codes instead). LoRA adapters raise `NotImplementedError` too (the XLA plans apply them).
+codes instead), and so do wrappers of a format (the XLA plans run them).
 """
 
 from __future__ import annotations
@@ -35,18 +36,18 @@ Array = jax.Array
 ACCELERATORS = ("cuda", "rocm", "tpu")
 
 
-def ragged_grouped(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora=None) -> Array:
+def ragged_grouped(experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
     """Routed output `[T, H]` float32 by three `ragged_dot`s over pairs sorted by expert (module docstring).
 
     Args:
       experts: stacked `ExpertWeights` `[E, H, I]` / `[E, I, H]` (bf16, f16 or f32), biases optional.
       x: `[T, H]` rows. slots: `[T, K]` ids, output weights and optional input scales. act: the activation.
+      block_rows: ignored (ragged_dot takes the groups as they are).
 
     Raises:
-      NotImplementedError: other weight formats or layouts, or `lora`.
+      NotImplementedError: other weight formats, layouts or wrappers.
     """
-    if lora is not None:
-        raise NotImplementedError("ragged_grouped: does not apply LoRA adapters")
+    del block_rows
     if type(experts) is not ExpertWeights:
         raise NotImplementedError(
             f"ragged_grouped: reads stacked dense ExpertWeights, got {type(experts).__name__} (ragged_dot takes a "

@@ -1,4 +1,4 @@
-"""The native CPU backend: moejax's routed experts as one XLA FFI call into C++ kernels (csrc/moe_cpu.cc).
+"""The "native" backend: moejax's routed experts as one XLA FFI call into C++ kernels (csrc/moe_cpu.cc).
 
 One call per layer call, any T: the union of the chosen experts, each union expert's weights read once for all
 of its rows, gate/up -> activation -> down -> the slot-weighted combine in slot order, on XLA's intra-op thread
@@ -78,13 +78,7 @@ def isa() -> str | None:
 
 
 def routed_experts(
-    experts: PerExpert | ExpertFormat,
-    x: Array,
-    slots: Slots,
-    act: GatedActivation,
-    *,
-    lora=None,
-    max_threads: int = 0,
+    experts: PerExpert | ExpertFormat, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None, max_threads=0
 ) -> Array:
     """`Σ_k out_weight[t, k] · E_{indices[t, k]}(in_scale · x[t])` `[T, H]` float32 by the native kernels.
 
@@ -93,17 +87,16 @@ def routed_experts(
       x: `[T, H]` float32, bfloat16 or float16 (converted to float32 first).
       slots: `Slots`; ids outside [0, E) and slots of weight 0 are skipped (contribute exactly 0).
       act: the gated activation.
-      lora: must be None (adapters are not on the native path yet).
+      block_rows: ignored (the kernels take each union expert's rows at once).
       max_threads: at most this many threads (the caller's included); 0: the whole intra-op pool.
 
     Raises:
-      NotImplementedError: not built, adapters, or a format the kernels do not read.
+      NotImplementedError: not built, or a format (or wrapper of one) the kernels do not read.
       ValueError: shapes or dtypes of x, the slots or the weights that do not fit together.
     """
+    del block_rows
     if not available():
         raise NotImplementedError("the native CPU kernels are not built or not loaded (moejax._native_cpu)")
-    if lora is not None:
-        raise NotImplementedError("the native CPU kernels do not apply LoRA adapters")
     T, H = _check_rows(x, slots)
     spec = _weight_spec(experts, H)
     E, I = spec["E"], spec["I"]

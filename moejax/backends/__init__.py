@@ -1,0 +1,240 @@
+"""The expert backends: the registry of routed-expert implementations and the one place `impl=` is resolved.
+
+A backend is one function `run(experts, x, slots, act, *, block_rows=None) -> [T, H]` float32 (the experts in
+any weight format and layout, or a wrapper of one such as `moejax.lora.adapt`'s; `moejax.experts.Slots`;
+`GatedActivation`; `block_rows`: the grouped block size where the caller fixes it, else ignored). It prepares
+the weights it needs itself and raises `NotImplementedError` at trace time for what it cannot serve. One module
+each: `reference`, `xla` (decode, grouped), `cpu` (decode, grouped: per-expert layout), `pallas` (the kernels),
+`native` (the C++ kernels through XLA's FFI), `ragged` (`jax.lax.ragged_dot`). Adding one is a module and a
+`register(Backend(name, run))` call (a test may call it too).
+
+`impl=`: a backend's name; a group ("xla", "cpu", "pallas": decode where it fits, else grouped); or "auto",
+which tries an ordered list of candidates and takes the first that serves the call: the kernels
+`pallas_kernels/validated.json` lists for the devices the program is lowered for (and for the weight format),
+"ragged" for grouped calls on TPU/GPU, "native" on CPU when built, then the CPU plans (per-expert layout), then
+the XLA plans. Kernels, ragged and native are chosen while lowering (`pallas_kernels.platform.choose_at_lowering`:
+the platform and devices the program is compiled for, never the host's default backend). When all candidates
+fail, one error lists each one's reason.
+
+Gradients: `run_routed` wraps every backend but the reference in a `jax.custom_vjp` whose backward is the VJP of
+`reference_routed` (the plans' loops with device trip counts are not reverse-differentiable): gradients w.r.t.
+x, the slots' weights and scales and the experts (adapters of a wrapper included) are the reference's, at the
+reference's cost. Forward-mode (`jax.jvp`) of the plans is not defined.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+
+import pallas_kernels
+from moejax.backends import native, pallas, ragged
+from moejax.backends.cpu import cpu_decode, cpu_grouped
+from moejax.backends.reference import reference_routed
+from moejax.backends.xla import decode_fits, decode_plan, grouped_plan
+from moejax.experts import Slots
+from moejax.lora import ExpertLoRA, adapt
+from moejax.weights import Experts
+from pallas_kernels.activations import GatedActivation
+
+Array = jax.Array
+RoutedFn = Callable[..., Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One implementation of the routed experts: `run(experts, x, slots, act, *, block_rows=None) -> [T, H]`.
+
+    decode: whether it serves only decode-sized calls (`xla.decode_fits`). chooser: under "auto",
+    `chooser(run, fallback, experts, x, slots)` runs it or the rest of the candidates, decided while lowering
+    (None: it runs wherever it serves the call).
+    """
+
+    name: str
+    run: RoutedFn
+    decode: bool = False
+    chooser: Callable[..., Array] | None = None
+
+
+BACKENDS: dict[str, Backend] = {}
+GROUPS = ("xla", "cpu", "pallas")  # `impl=` names that pick `<group>_decode` where it fits, else `<group>_grouped`
+# Each kernel backend: the pallas_kernels kernel it runs (for validated.json).
+_KERNELS = {"pallas_decode": "moe_decode", "pallas_grouped": "moe_grouped"}
+
+
+class _Impls(Sequence):
+    """The names `impl=` takes, "auto", the groups, then the registered backends: a live view of the registry."""
+
+    def __getitem__(self, i):
+        return ("auto", *GROUPS, *BACKENDS)[i]
+
+    def __len__(self) -> int:
+        return 1 + len(GROUPS) + len(BACKENDS)
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
+IMPLS = _Impls()
+
+
+def register(backend: Backend) -> None:
+    """Add `backend` to the registry: `impl=backend.name` runs it ("auto" does not try it)."""
+    if backend.name in ("auto", *GROUPS) or backend.name in BACKENDS:
+        raise ValueError(f"backend name {backend.name!r} is taken")
+    BACKENDS[backend.name] = backend
+
+
+def unregister(name: str) -> None:
+    """Remove backend `name` from the registry (`KeyError` when it is not there)."""
+    del BACKENDS[name]
+
+
+def _on_validated_devices(name: str) -> Callable[..., Array]:
+    def choose(run, fallback, experts, *operands):
+        weights = pallas.weights_name(experts)
+        return pallas.on_validated_devices(_KERNELS[name], weights, run, fallback, experts, *operands)
+
+    return choose
+
+
+for _backend in (
+    Backend("reference", reference_routed),
+    Backend("native", native.routed_experts, chooser=native.on_cpu),
+    Backend("pallas_decode", pallas.pallas_decode, decode=True, chooser=_on_validated_devices("pallas_decode")),
+    Backend("pallas_grouped", pallas.pallas_grouped, chooser=_on_validated_devices("pallas_grouped")),
+    Backend("cpu_decode", cpu_decode, decode=True),
+    Backend("cpu_grouped", cpu_grouped),
+    Backend("xla_decode", decode_plan, decode=True),
+    Backend("xla_grouped", grouped_plan),
+    Backend("ragged", ragged.ragged_grouped, chooser=ragged.on_accelerators),
+):
+    register(_backend)
+
+
+def kernel_validated(name: str) -> bool:
+    """Whether kernel backend `name` may be a candidate of "auto": `pallas_kernels/validated.json` lists its kernel
+    for some device kind at this JAX version (checked by benchmarks/gpu_bench.py, tpu_bench.py). Where it then
+    runs is decided when the program is lowered: only for a device kind with a row (`pallas.validated_on`),
+    never by the host's default backend."""
+    return pallas_kernels.is_validated(_KERNELS[name], None, jax.__version__)
+
+
+def _auto_may_run(name: str, experts: Experts) -> bool:
+    """Under "auto": a kernel backend runs quantized experts only where validated.json lists that format too
+    (`kernel_validated` checked the dense kernel; the quantized kernel bodies are separate)."""
+    weights = pallas.weights_name(experts)
+    if name not in _KERNELS or weights == "dense":
+        return True
+    return pallas_kernels.is_validated(_KERNELS[name], None, jax.__version__, weights=weights)
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+
+
+def may_run_kernels(impl: str) -> bool:
+    """Whether `impl` may run a Pallas kernel in a CPU program (under the Mosaic GPU interpreter): "auto" never
+    does (its kernels run only where lowered for a validated accelerator)."""
+    _check_impl(impl)
+    return impl == "pallas" or impl in _KERNELS
+
+
+def candidates(impl: str, num_rows: int, top_k: int) -> list[str]:
+    """The backends `impl` tries, in order, for a call of `num_rows` rows of `top_k` slots (static)."""
+    _check_impl(impl)
+    kind = "decode" if decode_fits(num_rows, top_k) else "grouped"
+    if impl in GROUPS:
+        return [f"{impl}_{kind}"]
+    if impl == "auto":
+        kernel = f"pallas_{kind}"
+        ragged_dot = ["ragged"] * (kind == "grouped")  # on TPU/GPU only: chosen while lowering (_dispatch)
+        native_cpu = ["native"] * native.available()  # on CPU only: chosen while lowering (_dispatch)
+        return [kernel] * kernel_validated(kernel) + ragged_dot + native_cpu + [f"cpu_{kind}", f"xla_{kind}"]
+    if BACKENDS[impl].decode and kind != "decode":
+        raise ValueError(f"impl={impl!r} serves at most 8 rows and 64 slots, got T={num_rows}, K={top_k}")
+    return [impl]
+
+
+def _names(impl: str, experts: Experts, slots: Slots) -> list[str]:
+    names = candidates(impl, *slots.indices.shape)
+    return [name for name in names if impl != "auto" or _auto_may_run(name, experts)]
+
+
+def run_routed(
+    impl: str,
+    experts: Experts,
+    x: Array,
+    slots: Slots,
+    act: GatedActivation,
+    *,
+    lora: ExpertLoRA | None = None,
+    block_rows: int | None = None,
+) -> Array:
+    """The routed sum `[T, H]` float32 by the first candidate of `impl` that serves the call.
+
+    Every backend but the reference runs under `jax.custom_vjp` with the reference's backward (see the module
+    docstring). `lora`: TRANSITION keyword, the same as passing `moejax.lora.adapt(experts, lora)`.
+
+    Raises:
+      NotImplementedError: no candidate serves it (the message lists each one's reason).
+    """
+    experts = adapt(experts, lora)
+    names = _names(impl, experts, slots)
+    if names == ["reference"]:
+        return _dispatch(impl, names, experts, x, slots, act, block_rows)
+
+    @jax.custom_vjp
+    def routed(experts, x, slots):
+        return _dispatch(impl, names, experts, x, slots, act, block_rows)
+
+    def routed_fwd(experts, x, slots):
+        return routed(experts, x, slots), (experts, x, slots)
+
+    def routed_bwd(residuals, cotangent):
+        reference = lambda experts, x, slots: reference_routed(experts, x, slots, act)
+        return jax.vjp(reference, *residuals)[1](cotangent)
+
+    routed.defvjp(routed_fwd, routed_bwd)
+    return routed(experts, x, slots)
+
+
+def _dispatch(impl, names, experts, x, slots, act, block_rows) -> Array:
+    def run(name, experts, x, slots):
+        return BACKENDS[name].run(experts, x, slots, act, block_rows=block_rows)
+
+    if len(names) == 1:
+        return run(names[0], experts, x, slots)
+    reasons = []
+    for i, name in enumerate(names):
+        try:
+            chooser = BACKENDS[name].chooser
+            if impl != "auto" or chooser is None:
+                return run(name, experts, x, slots)
+            # It serves this call: it, or the rest of the list, is chosen while lowering.
+            jax.eval_shape(functools.partial(run, name), experts, x, slots)
+            fallback = lambda e, x, s, i=i: _dispatch(impl, names[i + 1 :], e, x, s, act, block_rows)
+            return chooser(functools.partial(run, name), fallback, experts, x, slots)
+        except NotImplementedError as err:
+            reasons.append(f"{name}: {err}")
+    raise NotImplementedError(f"impl={impl!r}: no implementation serves this call ({'; '.join(reasons)})")
+
+
+def resolve_impl(
+    impl: str, experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora: ExpertLoRA | None = None
+) -> str:
+    """The backend `impl` would run for this call (traced abstractly, nothing computed; for tests and benchmarks).
+    `lora`: TRANSITION keyword, as in `run_routed`."""
+    experts = adapt(experts, lora)
+    for name in _names(impl, experts, slots):
+        try:
+            run = functools.partial(BACKENDS[name].run, act=act)
+            jax.eval_shape(run, experts, x, slots)
+        except NotImplementedError:
+            continue
+        return name
+    raise NotImplementedError(f"impl={impl!r}: no implementation serves this call")
