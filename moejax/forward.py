@@ -24,7 +24,7 @@ from moejax.experts import Slots, expert_activation, shared_expert_ffn, slots_fr
 from moejax.lora import ExpertLoRA, LoRAParams, SharedLoRA, as_adapter_ids, check_lora, clamp_ids
 from moejax.params import MoEParams, SharedParams, check_params
 from moejax.plans import grouped_block_rows
-from moejax.routing import Routing, as_token_ids, check_route_inputs, rms_normalize, route, router_logits
+from moejax.routing import Routing, as_token_ids, check_route_inputs, check_row_ids, rms_normalize, route, router_logits
 from moejax.stats import MoEStats
 from moejax.weights import Experts
 
@@ -68,14 +68,7 @@ def check_lora_inputs(lora: LoRAParams | None, adapter_ids, x: Array, cfg: MoECo
         )
     check_lora(lora, cfg)
     adapter_ids = as_adapter_ids(adapter_ids, lora.num_ids)  # host ids: clipped in their own type, never wrapped
-    if not hasattr(adapter_ids, "shape") or not hasattr(adapter_ids, "dtype"):
-        raise TypeError(f"adapter_ids must be an integer array or a list of ints, got {type(adapter_ids).__name__}")
-    if tuple(adapter_ids.shape) != tuple(x.shape[:-1]):
-        raise ValueError(
-            f"adapter_ids must have shape x.shape[:-1]={tuple(x.shape[:-1])}, got {tuple(adapter_ids.shape)}"
-        )
-    if not jnp.issubdtype(adapter_ids.dtype, jnp.integer):
-        raise TypeError(f"adapter_ids must be integers, got dtype {adapter_ids.dtype}")
+    check_row_ids("adapter_ids", adapter_ids, x)
     return adapter_ids
 
 
@@ -284,17 +277,9 @@ def _empty_routing(x: Array, cfg: MoEConfig) -> Routing:
     )
 
 
-def chosen_impl(
-    params: MoEParams,
-    x: Array,
-    cfg: MoEConfig,
-    token_ids: Array | None = None,
-    impl: str = "auto",
-    *,
-    lora: LoRAParams | None = None,
-) -> str:
-    """The routed-expert backend `moe_forward(params, x, cfg, token_ids, impl, lora=lora, ...)` runs (traced
-    abstractly: nothing is computed; params and x may be `jax.ShapeDtypeStruct`s)."""
+def chosen_impl(params, x, cfg, token_ids=None, impl="auto", *, lora=None) -> str:
+    """The routed-expert backend `moe_forward(params, x, cfg, token_ids, impl, lora=lora, ...)` runs, for its
+    arguments and types (traced abstractly: nothing is computed; params and x may be `jax.ShapeDtypeStruct`s)."""
 
     def inputs(params, x, token_ids):
         flat = x.reshape(-1, cfg.hidden_size)
@@ -347,17 +332,9 @@ def add_once_terms(
     return out
 
 
-def checked_moe_forward(
-    params: MoEParams,
-    x: Array,
-    cfg: MoEConfig,
-    token_ids: Array | None = None,
-    impl: str = "auto",
-    *,
-    lora: LoRAParams | None = None,
-    adapter_ids: Array | None = None,
-) -> Array:
-    """`moe_forward` that raises on what the unchecked forward defines away inside jit. Call it outside jit.
+def checked_moe_forward(params, x, cfg, token_ids=None, impl="auto", *, lora=None, adapter_ids=None) -> Array:
+    """`moe_forward` (its arguments and types) that raises on what the unchecked forward defines away inside jit.
+    Call it outside jit.
 
     Raises `checkify.JaxRuntimeError` when any router logit is not finite, (hash routing) a token id is
     outside [0, vocab_size) or a table entry outside [0, num_experts + num_zero_experts), or (LoRA) an adapter
@@ -378,17 +355,9 @@ def checked_moe_forward(
     return y
 
 
-def moe_forward_with_checks(
-    params: MoEParams,
-    x: Array,
-    cfg: MoEConfig,
-    token_ids: Array | None = None,
-    impl: str = "auto",
-    *,
-    lora: LoRAParams | None = None,
-    adapter_ids: Array | None = None,
-) -> Array:
-    """`moe_forward` plus the `checkify.check`s of `checked_moe_forward`, for use inside the caller's own jit.
+def moe_forward_with_checks(params, x, cfg, token_ids=None, impl="auto", *, lora=None, adapter_ids=None) -> Array:
+    """`moe_forward` plus the `checkify.check`s of `checked_moe_forward` (same arguments, same types), for use
+    inside the caller's own jit.
 
     The checks are left for the caller to functionalize, together with any checks of its own:
 

@@ -79,7 +79,7 @@ class MoE(nnx.Module):
       impl: implementation of the routed experts passed to `moe_forward` ("auto", "xla", "reference", ...).
       mesh: optional `jax.sharding.Mesh`: parameters are created sharded on it (experts over `expert_axis`, the
         intermediate dims over `tensor_axis`, the rest replicated); with `expert_axis` in the mesh, calls run
-        expert-parallel (`moejax.parallel.moe_forward_ep`), else `moe_forward` on the replicated parameters.
+        expert-parallel (`moejax.dispatch.EPPsum` or `EPAllToAll`), else `moe_forward`'s default dispatch.
       expert_axis, tensor_axis, ep_mode: the mesh axes and the mode ("replicated" | "all_to_all") of the EP call.
       fmt: the routed experts' weight format (`moejax.weights`), dense by default.
       layout: "auto" (per-expert on a CPU backend without a mesh, else stacked), "stacked" or "per_expert".
@@ -177,6 +177,11 @@ class MoE(nnx.Module):
         )
         return init(key)
 
+    def _on_mesh(self, place, value):
+        """`value` placed on the layer's mesh by `place` (`shard_params` or `shard_lora`) with the layer's axes."""
+        axes = {"expert_axis": self.expert_axis, "tensor_axis": self.tensor_axis, "placement": self.placement}
+        return place(value, self.cfg, self.mesh, **axes)
+
     def load_params(self, params: MoEParams) -> None:
         """Replace every variable by `params` (e.g. from `moejax.hf.params_from_hf`), keeping the metadata.
 
@@ -186,14 +191,7 @@ class MoE(nnx.Module):
         """
         check_params(params, self.cfg)
         if self.mesh is not None:
-            params = sharding.shard_params(
-                params,
-                self.cfg,
-                self.mesh,
-                expert_axis=self.expert_axis,
-                tensor_axis=self.tensor_axis,
-                placement=self.placement,
-            )
+            params = self._on_mesh(sharding.shard_params, params)
         else:
             params = dataclasses.replace(params, experts=to_layout(params.experts, self.layout))
         self.fmt = format_of(params.experts)
@@ -232,14 +230,7 @@ class MoE(nnx.Module):
             raise ValueError("lora is one adapter; the layer holds a stack: moejax.lora.stack([adapter, ...])")
         check_lora(lora, self.cfg)
         if self.mesh is not None:
-            lora = sharding.shard_lora(
-                lora,
-                self.cfg,
-                self.mesh,
-                expert_axis=self.expert_axis,
-                tensor_axis=self.tensor_axis,
-                placement=self.placement,
-            )
+            lora = self._on_mesh(sharding.shard_lora, lora)
         root = _Group()
         for name, pair in lora.pairs().items():
             holder = root

@@ -52,14 +52,5 @@ class EPPsum(ExpertParallel):
             mine = jax.lax.dynamic_slice_in_dim(load, me * num_local, num_local).sum(keepdims=True)
         else:
             mine = (local.indices < num_local).sum(dtype=jnp.int32)[None]
-        zero = jnp.zeros((1,), jnp.int32)
-        stats = MoEStats.from_load(
-            load,
-            tokens=num_tokens,
-            top_k=cfg.top_k,
-            device_load=mine,
-            local_pairs=mine,
-            remote_pairs=zero,
-            remote_rows=zero,
-        )
+        stats = MoEStats.all_local(load, tokens=num_tokens, top_k=cfg.top_k, computed=mine)
         return routed, stats
