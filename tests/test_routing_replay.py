@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import moejax
 from moejax import dispatch as D
+from moejax.lora import LoRAPair, _target_shapes, from_pairs, stack
 from moejax.parallel import shard_params
 
 T = 8
@@ -123,3 +124,27 @@ def test_empty_batch_returns_an_empty_routing():
     y, routing = moejax.moe_forward(params, jnp.zeros((0, cfg.hidden_size)), cfg, return_routing=True)
     assert y.shape == (0, cfg.hidden_size) and routing.indices.shape == (0, cfg.top_k)
     assert routing.zero_weight.shape == (0,)
+
+
+def test_replay_with_lora_skips_the_router_adapters():
+    cfg = moejax.MoEConfig.preset("qwen2_moe", num_experts=8, top_k=2, hidden_size=32, intermediate_size=16)
+    params = moejax.init_params(cfg, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (4, cfg.hidden_size))
+    rng = np.random.default_rng(0)
+    pairs = {
+        name: LoRAPair(
+            jnp.asarray(rng.standard_normal((*lead, 2, n_in), np.float32) / np.sqrt(n_in)),
+            jnp.asarray(rng.standard_normal((*lead, n_out, 2), np.float32)),
+            jnp.float32(0.5),
+        )
+        for name, (lead, n_in, n_out) in _target_shapes(cfg).items()
+    }
+    lora = stack([from_pairs(pairs)])
+    ids = jnp.array([1, 0, 1, 1], jnp.int32)
+    y, routing = moejax.moe_forward(params, x, cfg, impl="xla", lora=lora, adapter_ids=ids, return_routing=True)
+
+    replay = lambda lora: moejax.moe_forward(params, x, cfg, impl="xla", lora=lora, adapter_ids=ids, routing=routing)
+    np.testing.assert_array_equal(replay(lora), y)
+    grads = jax.jit(jax.grad(lambda lora: jnp.sum(replay(lora) ** 2)))(lora)
+    assert np.all(np.asarray(grads.router.a) == 0) and np.all(np.asarray(grads.router.b) == 0)
+    assert np.any(np.asarray(grads.experts.gate.a) != 0)
