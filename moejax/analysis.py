@@ -166,7 +166,7 @@ def slot_load(indices: Array, placement: Placement) -> Array:
 @functools.partial(jax.jit, static_argnames="placement")
 def device_load(indices: Array, placement: Placement) -> Array:
     """`[n]` int32 pairs computed by each device of the expert axis under `placement` (`indices [T, K]`); the
-    unplaced layout is `Placement.contiguous(E, n)`. Equals `EPStats.device_load` of the same call."""
+    unplaced layout is `Placement.contiguous(E, n)`. Equals `MoEStats.device_load` of the same EP call."""
     return slot_load(indices, placement).reshape(placement.num_devices, -1).sum(1)
 
 

@@ -13,7 +13,7 @@ A call runs as written, with no jit of its own, when
     then raises its own error (or handles the value) exactly as before.
 Errors the body raises while it is traced (shape, dtype and config checks) propagate unchanged through jit.
 An eager call computes what the same call under the caller's jit computes; on a data-parallel mesh with Auto
-axes that includes the choice of row split (x's type does not carry it under jit, `moejax.data_parallel`).
+axes that includes the choice of row split (x's type does not carry it under jit, `moejax.dispatch.rows`).
 
 Host integer ids (lists, numpy arrays) are converted to int32 before the cache, so their cache key is that of
 an int32 array; values outside int32 are first clipped to its range, so an id of 2**32 + 1 stays out of range

@@ -17,14 +17,16 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from moejax.backends import IMPLS, resolve_impl, run_routed
+from moejax.backends.xla import grouped_block_rows
 from moejax.config import MoEConfig, ScalingTarget
-from moejax.data_parallel import mesh_of, over_rows
+from moejax.dispatch import Dispatch, Local, Rows, mesh_of
 from moejax.eager import cached_when_eager
-from moejax.experts import expert_activation, shared_expert_ffn, slots_from_routing
-from moejax.lora import LoRAParams, SharedLoRA, as_adapter_ids, check_lora, clamp_ids
+from moejax.experts import Slots, expert_activation, shared_expert_ffn, slots_from_routing
+from moejax.lora import ExpertLoRA, LoRAParams, SharedLoRA, adapt, as_adapter_ids, check_lora, clamp_ids
 from moejax.params import MoEParams, SharedParams, check_params
-from moejax.routing import Routing, as_token_ids, check_route_inputs, rms_normalize, route, router_logits
-from moejax.stats import MoEStats, routing_stats
+from moejax.routing import Routing, as_token_ids, check_route_inputs, check_row_ids, rms_normalize, route, router_logits
+from moejax.stats import MoEStats
+from moejax.weights import Experts
 
 Array = jax.Array
 __all__ = ["IMPLS", "checked_moe_forward", "chosen_impl", "moe_forward", "moe_forward_with_checks"]
@@ -36,6 +38,13 @@ def check_inputs(params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array |
         raise TypeError(f"cfg must be a moejax.MoEConfig, got {type(cfg).__name__}")
     check_params(params, cfg)
     check_route_inputs(x, cfg, token_ids)
+
+
+def _checked_inputs(params, x, cfg, token_ids, lora, adapter_ids):
+    """The token ids and adapter ids as arrays, after the trace-time checks of every input."""
+    token_ids = as_token_ids(token_ids, cfg)
+    check_inputs(params, x, cfg, token_ids)
+    return token_ids, check_lora_inputs(lora, adapter_ids, x, cfg)
 
 
 def check_lora_inputs(lora: LoRAParams | None, adapter_ids, x: Array, cfg: MoEConfig):
@@ -59,18 +68,14 @@ def check_lora_inputs(lora: LoRAParams | None, adapter_ids, x: Array, cfg: MoECo
         )
     check_lora(lora, cfg)
     adapter_ids = as_adapter_ids(adapter_ids, lora.num_ids)  # host ids: clipped in their own type, never wrapped
-    if not hasattr(adapter_ids, "shape") or not hasattr(adapter_ids, "dtype"):
-        raise TypeError(f"adapter_ids must be an integer array or a list of ints, got {type(adapter_ids).__name__}")
-    if tuple(adapter_ids.shape) != tuple(x.shape[:-1]):
-        raise ValueError(
-            f"adapter_ids must have shape x.shape[:-1]={tuple(x.shape[:-1])}, got {tuple(adapter_ids.shape)}"
-        )
-    if not jnp.issubdtype(adapter_ids.dtype, jnp.integer):
-        raise TypeError(f"adapter_ids must be integers, got dtype {adapter_ids.dtype}")
+    check_row_ids("adapter_ids", adapter_ids, x)
     return adapter_ids
 
 
-@cached_when_eager(static_argnames=("cfg", "impl", "return_stats"), host_id_args=("token_ids", "adapter_ids"))
+@cached_when_eager(
+    static_argnames=("cfg", "impl", "return_stats", "return_routing", "dispatch"),
+    host_id_args=("token_ids", "adapter_ids"),
+)
 def moe_forward(
     params: MoEParams,
     x: Array,
@@ -81,14 +86,26 @@ def moe_forward(
     lora: LoRAParams | None = None,
     adapter_ids: Array | None = None,
     return_stats: bool = False,
-) -> Array | tuple[Array, MoEStats]:
-    """The MoE block: `x [..., H]` -> `[..., H]` in x's dtype. Pure and jit-able (`cfg`, `impl` static).
+    routing: Routing | None = None,
+    return_routing: bool = False,
+    dispatch: Dispatch | None = None,
+) -> Array | tuple:
+    """The MoE block: `x [..., H]` -> `[..., H]` in x's dtype. Pure and jit-able (`cfg`, `impl`, `dispatch` static).
 
-    1. Route (`moejax.route`).  2. Routed sum `Σ_k w_k·E_k(x_e)` (x_e = x, or Gemma-4's expert pre-norm) by
-    `impl` (`moejax.backends`), float32.  3. `× routed_scaling_factor` when it scales the output (Step-3.7).
-    4. `+ Σ zero-expert weights · x_e` (LongCat).  5. `+ shared(x_e)`, sigmoid-gated where the family gates it.
-    6. Cast to x's dtype. The routed experts may be in either layout (`moejax.weights`): stacked or per-expert.
-    With `return_stats=True`, also the routing statistics of the call (`moejax.stats.MoEStats`, on device).
+    1. Route (`moejax.route`), or take the given `routing`.  2. Routed sum `Σ_k w_k·E_k(x_e)` (x_e = x, or
+    Gemma-4's expert pre-norm) by `impl` (`moejax.backends`), float32, on the devices `dispatch` puts the rows and
+    experts on.  3. `× routed_scaling_factor` when it scales the output (Step-3.7).  4. `+ Σ zero-expert weights ·
+    x_e` (LongCat).  5. `+ shared(x_e)`, sigmoid-gated where the family gates it.  6. Cast to x's dtype. The routed
+    experts may be in either layout (`moejax.weights`): stacked or per-expert.
+
+    Returns `y`, then the call's `MoEStats` (on device) when `return_stats`, then the `Routing` used when
+    `return_routing` (a tuple when either is asked for).
+
+    Routing replay: `routing` (a `moejax.Routing` as `route` or `return_routing=True` returns it: `indices [T, K]`
+    integer, `weights [T, K]` float, `zero_weight [T]` for families with zero experts, else None; T = rows of x;
+    `logits` is not read) skips the router: forward with the returned routing equals the original bit for bit.
+    Gradients then reach x and the experts through the routing weights held constant, never the router (its
+    LoRA adapters included: with `routing`, the router adapters are not applied).
 
     LoRA: `lora` is a stack of adapters (`moejax.lora.stack`; id 0 = no adapter) and `adapter_ids` (integer,
     shape `x.shape[:-1]`) names each row's adapter; both are traced, so any mix of adapters is one compiled
@@ -98,69 +115,171 @@ def moe_forward(
     do not apply adapters: with `lora`, impl="auto" runs the XLA/CPU plans. Differentiable under `jax.jit`
     (`jax.grad` w.r.t. the adapters, x and the parameters) through every XLA/CPU plan (`moejax.backends`).
 
-    On a mesh (x or params placed on several devices, Explicit or Auto axes) each device routes and computes the
-    rows of x it holds (`moejax.data_parallel`); the statistics are then summed over the row shards (the union is
-    that of the whole batch, as on one device). An empty batch (no rows) gives an empty output.
+    Dispatch (`moejax.dispatch`): `Local` (one device), `Rows` (x's rows split over a mesh: the default when x or
+    params live on several devices, Explicit or Auto axes; the statistics are summed over the row shards),
+    `EPPsum` / `EPAllToAll` (experts split over a mesh axis, `moejax.parallel.moe_forward_ep`). An empty batch (no
+    rows) gives an empty output.
     """
     token_ids = as_token_ids(token_ids, cfg)
-    check_inputs(params, x, cfg, token_ids)
-    adapter_ids = check_lora_inputs(lora, adapter_ids, x, cfg)
+    checking = Local() if dispatch is None else dispatch
+    operands, views = checking.check((params, lora), cfg, impl)
+    check_inputs(views[0], x, cfg, token_ids)
+    adapter_ids = check_lora_inputs(views[1], adapter_ids, x, cfg)
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
-    if math.prod(x.shape[:-1]) == 0:
-        y = jnp.zeros_like(x)
-        return (y, dataclasses.replace(MoEStats.zeros(cfg.num_experts), calls=jnp.int32(1))) if return_stats else y
-    rows_forward = functools.partial(_rows_forward, cfg=cfg, impl=impl, return_stats=return_stats)
-    if lora is not None:
-        adapter_ids = clamp_ids(adapter_ids, lora.num_ids)
-    mesh = mesh_of((params, lora), x, token_ids)
-    if mesh is not None:
-        return over_rows(
-            rows_forward, (params, lora), x, token_ids, mesh, with_stats=return_stats, adapter_ids=adapter_ids
+    check_routing(routing, x, cfg)
+    if dispatch is None:
+        dispatch = Rows(mesh) if (mesh := mesh_of(operands, x, token_ids)) is not None else Local()
+    T = math.prod(x.shape[:-1])
+    if T == 0:
+        stats = dataclasses.replace(MoEStats.zeros(cfg.num_experts, dispatch.num_devices), calls=jnp.int32(1))
+        outputs, used = {"y": jnp.zeros_like(x)}, routing if routing is not None else _empty_routing(x, cfg)
+    else:
+        rows = {"x": x}
+        if token_ids is not None:
+            rows["token_ids"] = token_ids
+        if lora is not None:
+            rows["adapter"] = clamp_ids(adapter_ids, lora.num_ids)
+        if routing is not None:
+            rows["routing"] = _routing_rows(routing, x.shape[:-1])
+        body = functools.partial(
+            _pipeline,
+            cfg=cfg,
+            impl=impl,
+            dispatch=dispatch,
+            num_tokens=T,
+            with_stats=return_stats,
+            with_routing=return_routing and routing is None,
         )
-    return rows_forward((params, lora), x, token_ids, adapter_ids)
+        outputs, stats = dispatch.run(body, operands, rows, cfg=cfg, with_stats=return_stats)
+        used = routing if routing is not None else _flat_routing(outputs.get("routing"), x.shape[:-1])
+    result = (outputs["y"],) + ((stats,) if return_stats else ()) + ((used,) if return_routing else ())
+    return result if len(result) > 1 else result[0]
 
 
-def _rows_forward(
-    params_lora: tuple[MoEParams, LoRAParams | None],
-    x: Array,
-    token_ids: Array | None,
-    adapter_ids: Array | None = None,
-    *,
-    cfg: MoEConfig,
-    impl: str,
-    return_stats: bool,
-) -> Array | tuple[Array, MoEStats]:
-    """Steps 1-6 of `moe_forward` on the rows at hand (all of them, or one device's)."""
-    params, lora = params_lora
-    flat = x.reshape(-1, cfg.hidden_size)  # [T, H]
-    adapter = None if lora is None else adapter_ids.reshape(-1)
-    router_lora = None if lora is None else lora.router
-    tids = None if token_ids is None else token_ids.reshape(-1)
-    routing = route(params, flat, cfg, tids, lora=router_lora, adapter=adapter)
-    x_e = expert_input(params, flat, cfg)
+def _pipeline(operands, rows, *, cfg, impl, dispatch, num_tokens, with_stats, with_routing):
+    """The pipeline on the rows one device holds (every leaf of `rows` leads with x's leading dims): route ->
+    expert input -> slots -> `dispatch.routed_sum` (around the expert step) -> once-terms -> x's dtype."""
+    params, lora = operands
+    x = rows["x"]
+    lead = x.shape[:-1]
+    flat = lambda a: a.reshape(-1, *a.shape[len(lead) :])
+    xs = flat(x)  # [T, H]
+    adapter = flat(rows["adapter"]) if "adapter" in rows else None
+    if "routing" in rows:
+        routing = jax.tree.map(flat, rows["routing"])
+    else:
+        tids = flat(rows["token_ids"]) if "token_ids" in rows else None
+        adapters = {} if lora is None else {"lora": lora.router, "adapter": adapter}
+        routing = route(params, xs, cfg, tids, **adapters)
+    x_e = expert_input(params, xs, cfg)
     slots = slots_from_routing(routing, cfg, adapter)
-    expert_lora = None if lora is None else lora.experts
-    routed = run_routed(impl, params.experts, x_e, slots, expert_activation(cfg), lora=expert_lora)
-    shared_lora = None if lora is None else lora.shared
+    step = ExpertStep(impl, params.experts, cfg, None if lora is None else lora.experts)
+    routed, stats = dispatch.routed_sum(step, x_e, slots, routing, cfg=cfg, num_tokens=num_tokens)
     out = add_once_terms(
-        routed, x_e, routing, params.shared, cfg, float32=impl == "reference", lora=shared_lora, adapter=adapter
+        routed,
+        x_e,
+        routing,
+        params.shared,
+        cfg,
+        float32=impl == "reference",
+        reduce_shared=dispatch.reduce_shared,
+        lora=None if lora is None else lora.shared,
+        adapter=adapter,
     )
-    y = out.astype(x.dtype).reshape(x.shape)
-    return (y, routing_stats(routing, cfg)) if return_stats else y
+    outputs = {"y": out.astype(x.dtype).reshape(x.shape)}
+    if with_routing:
+        outputs["routing"] = jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), routing)
+    return outputs, stats if with_stats else None
 
 
-def chosen_impl(
-    params: MoEParams,
-    x: Array,
+@dataclasses.dataclass(frozen=True)
+class ExpertStep:
+    """The pipeline's expert step over the experts one device holds: `step(x_e [R, H], slots [R, K]) -> [R, H]`
+    float32 (`routed_experts`). Dispatch modes call it on the rows and slots they choose."""
+
+    impl: str
+    experts: Experts
+    cfg: MoEConfig
+    adapters: ExpertLoRA | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    def __call__(self, x_e: Array, slots: Slots, *, num_pairs: int | None = None) -> Array:
+        return routed_experts(self.impl, self.experts, x_e, slots, self.cfg, lora=self.adapters, num_pairs=num_pairs)
+
+
+def routed_experts(
+    impl: str,
+    experts: Experts,
+    x_e: Array,
+    slots: Slots,
     cfg: MoEConfig,
-    token_ids: Array | None = None,
-    impl: str = "auto",
     *,
-    lora: LoRAParams | None = None,
-) -> str:
-    """The routed-expert backend `moe_forward(params, x, cfg, token_ids, impl, lora=lora, ...)` runs (traced
-    abstractly: nothing is computed; params and x may be `jax.ShapeDtypeStruct`s)."""
+    lora: ExpertLoRA | None = None,
+    num_pairs: int | None = None,
+) -> Array:
+    """The routed sum `[R, H]` float32 of `experts` over `slots` by `impl` (the one call of the backends).
+
+    `num_pairs`: the global number of (token, slot) pairs when these rows are a part of them (expert
+    parallelism); sizes the grouped plan's blocks for the expected load per expert rather than for the R·K slots
+    seen here, most of which are not local."""
+    block_rows = None if num_pairs is None else grouped_block_rows(num_pairs, cfg.num_experts)
+    return run_routed(impl, adapt(experts, lora), x_e, slots, expert_activation(cfg), block_rows=block_rows)
+
+
+def check_routing(routing: Routing | None, x: Array, cfg: MoEConfig) -> None:
+    """Trace-time checks of a given routing: `ValueError` naming the field and both shapes (or the dtype)."""
+    if routing is None:
+        return
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a moejax.Routing, got {type(routing).__name__}")
+    T, K = math.prod(x.shape[:-1]), cfg.top_k
+    expected = {"indices": (T, K), "weights": (T, K), "zero_weight": (T,) if cfg.num_zero_experts else None}
+    for field, shape in expected.items():
+        value = getattr(routing, field)
+        if shape is None:
+            if value is not None:
+                raise ValueError("routing.zero_weight must be None: the config has no zero experts")
+            continue
+        if value is None or not hasattr(value, "shape"):
+            raise ValueError(f"routing.{field} must be an array of shape {shape}, got {type(value).__name__}")
+        if tuple(value.shape) != shape:
+            raise ValueError(
+                f"routing.{field} must have shape {shape} (T={T} rows of x, K={K}), got {tuple(value.shape)}"
+            )
+        kind = jnp.integer if field == "indices" else jnp.floating
+        if not jnp.issubdtype(value.dtype, kind):
+            raise ValueError(f"routing.{field} must be {kind.__name__} (shape {shape}), got dtype {value.dtype}")
+
+
+def _routing_rows(routing: Routing, lead: tuple[int, ...]) -> Routing:
+    """The given routing as per-row operands (leading dims those of x), without the logits (not read)."""
+    rows = lambda a: None if a is None else a.reshape(*lead, *a.shape[1:])
+    indices = routing.indices.astype(jnp.int32)
+    return Routing(rows(indices), rows(routing.weights), None, rows(routing.zero_weight))
+
+
+def _flat_routing(routing: Routing | None, lead: tuple[int, ...]) -> Routing | None:
+    """The routing the pipeline returned (leading dims those of x), back to `[T, ...]` rows."""
+    T = math.prod(lead)
+    return None if routing is None else jax.tree.map(lambda a: a.reshape(T, *a.shape[len(lead) :]), routing)
+
+
+def _empty_routing(x: Array, cfg: MoEConfig) -> Routing:
+    """The routing of no rows."""
+    K, N = cfg.top_k, cfg.num_selectable
+    zero_weight = jnp.zeros((0,), jnp.float32) if cfg.num_zero_experts else None
+    return Routing(
+        jnp.zeros((0, K), jnp.int32), jnp.zeros((0, K), jnp.float32), jnp.zeros((0, N), jnp.float32), zero_weight
+    )
+
+
+def chosen_impl(params, x, cfg, token_ids=None, impl="auto", *, lora=None) -> str:
+    """The routed-expert backend `moe_forward(params, x, cfg, token_ids, impl, lora=lora, ...)` runs, for its
+    arguments and types (traced abstractly: nothing is computed; params and x may be `jax.ShapeDtypeStruct`s)."""
 
     def inputs(params, x, token_ids):
         flat = x.reshape(-1, cfg.hidden_size)
@@ -170,8 +289,8 @@ def chosen_impl(
         return expert_input(params, flat, cfg), slots
 
     x_e, slots = jax.eval_shape(inputs, params, x, token_ids)
-    expert_lora = None if lora is None else lora.experts
-    return resolve_impl(impl, params.experts, x_e, slots, expert_activation(cfg), lora=expert_lora)
+    experts = adapt(params.experts, None if lora is None else lora.experts)
+    return resolve_impl(impl, experts, x_e, slots, expert_activation(cfg))
 
 
 def expert_input(params: MoEParams, x: Array, cfg: MoEConfig) -> Array:
@@ -213,17 +332,9 @@ def add_once_terms(
     return out
 
 
-def checked_moe_forward(
-    params: MoEParams,
-    x: Array,
-    cfg: MoEConfig,
-    token_ids: Array | None = None,
-    impl: str = "auto",
-    *,
-    lora: LoRAParams | None = None,
-    adapter_ids: Array | None = None,
-) -> Array:
-    """`moe_forward` that raises on what the unchecked forward defines away inside jit. Call it outside jit.
+def checked_moe_forward(params, x, cfg, token_ids=None, impl="auto", *, lora=None, adapter_ids=None) -> Array:
+    """`moe_forward` (its arguments and types) that raises on what the unchecked forward defines away inside jit.
+    Call it outside jit.
 
     Raises `checkify.JaxRuntimeError` when any router logit is not finite, (hash routing) a token id is
     outside [0, vocab_size) or a table entry outside [0, num_experts + num_zero_experts), or (LoRA) an adapter
@@ -233,9 +344,7 @@ def checked_moe_forward(
     Inside your own `jax.jit` a check cannot raise: use `moe_forward_with_checks` there, and functionalize the
     checks of the whole step with `checkify.checkify(jax.jit(step))` (see its docstring).
     """
-    token_ids = as_token_ids(token_ids, cfg)
-    check_inputs(params, x, cfg, token_ids)
-    adapter_ids = check_lora_inputs(lora, adapter_ids, x, cfg)
+    token_ids, adapter_ids = _checked_inputs(params, x, cfg, token_ids, lora, adapter_ids)
     if any(isinstance(a, jax.core.Tracer) for a in (x, token_ids, adapter_ids, *jax.tree.leaves((params, lora)))):
         raise TypeError(
             "checked_moe_forward raises, so it runs outside jit; inside a traced function call "
@@ -246,17 +355,9 @@ def checked_moe_forward(
     return y
 
 
-def moe_forward_with_checks(
-    params: MoEParams,
-    x: Array,
-    cfg: MoEConfig,
-    token_ids: Array | None = None,
-    impl: str = "auto",
-    *,
-    lora: LoRAParams | None = None,
-    adapter_ids: Array | None = None,
-) -> Array:
-    """`moe_forward` plus the `checkify.check`s of `checked_moe_forward`, for use inside the caller's own jit.
+def moe_forward_with_checks(params, x, cfg, token_ids=None, impl="auto", *, lora=None, adapter_ids=None) -> Array:
+    """`moe_forward` plus the `checkify.check`s of `checked_moe_forward` (same arguments, same types), for use
+    inside the caller's own jit.
 
     The checks are left for the caller to functionalize, together with any checks of its own:
 
@@ -267,9 +368,7 @@ def moe_forward_with_checks(
     Called with no enclosing `checkify.checkify`, tracing fails ("Cannot abstractly evaluate a checkify.check
     which was not functionalized"). Outside jit, `checked_moe_forward` does both steps for you.
     """
-    token_ids = as_token_ids(token_ids, cfg)
-    check_inputs(params, x, cfg, token_ids)
-    adapter_ids = check_lora_inputs(lora, adapter_ids, x, cfg)
+    token_ids, adapter_ids = _checked_inputs(params, x, cfg, token_ids, lora, adapter_ids)
     if lora is not None:
         n = lora.num_ids - 1
         in_range = (adapter_ids >= 0) & (adapter_ids <= n)

@@ -1,23 +1,23 @@
 """`MoE`: the flax.nnx module over the functional core. It owns the parameters and calls `moe_forward`.
 
 Trainable weights are `nnx.Param` carrying logical sharding names (`expert`, `embed`, `mlp`; from the arrays'
-declaration, `moejax.params.param_specs`); the correction bias and the hash table are `MoEBuffer` variables (not
+declaration, `moejax.params.array_specs`); the correction bias and the hash table are `MoEBuffer` variables (not
 trainable, not touched by an optimizer that filters on `nnx.Param`). Attribute paths mirror `MoEParams`:
 `layer.router.kernel`, `layer.experts.gate` (stacked layout) or `layer.experts[e].gate_up_weight` (per-expert
 layout, the default on a CPU backend, see `moejax.weights`), `layer.shared.down`, `layer.expert_norm`.
 
 Under a mesh (`MoE(cfg, rngs=..., mesh=mesh)`), the parameters are created already sharded: their
-`PartitionSpec`s come from the Params' logical sharding names through `moejax.parallel.logical_axis_rules`, and
+`PartitionSpec`s come from the Params' logical sharding names through `moejax.sharding.logical_axis_rules`, and
 a jitted `init_params` with those output shardings lets each device compute only its own shards. When the mesh
-has the expert axis, a call runs `moejax.parallel.moe_forward_ep`, with the experts laid out by a
-`moejax.placement.Placement` when one is given (`MoE(..., mesh=mesh, placement=placement)`).
+has the expert axis, the layer's dispatch (chosen at construction) is expert-parallel (`moejax.dispatch`), with
+the experts laid out by a `moejax.placement.Placement` when one is given.
 
 LoRA adapters (`moejax.lora`): `MoE(cfg, ..., lora=stack)` or `layer.set_lora(stack)` holds an adapter stack
 (`moejax.lora.stack`, ids 1..n) as `LoRAParam` variables, `layer.lora.<target>.a` / `.b` (targets as
 `LoRAParams.pairs` names them: `router`, `experts.gate`, `shared.down`, ...; the scales alpha/r are `MoEBuffer`s);
 `layer(x, adapter_ids=ids)` applies each row's adapter. `nnx.Optimizer(layer, tx, wrt=moejax.LoRAParam)` trains
 the adapters only (`nnx.Param` does not match them, so an optimizer over the base weights leaves them alone).
-Under a mesh the stack is placed by `moejax.parallel.shard_lora` (each expert's adapters with the expert).
+Under a mesh the stack is placed by `moejax.sharding.shard_lora` (each expert's adapters with the expert).
 
 Routing statistics (`moejax.stats.MoEStats`): `layer(x, return_stats=True)` returns them with the output; with
 `collect_stats=True` every call adds them to the layer's `stats` variable (`MoEStatsVariable`, not a parameter),
@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax import parallel
+from moejax import sharding
 from moejax.config import MoEConfig
+from moejax.dispatch import EP_MODES, EPMode, expert_parallel
 from moejax.forward import IMPLS, moe_forward
 from moejax.lora import LoRAPair, LoRAParams, check_lora, from_pairs
 from moejax.params import BUFFERS, MoEParams, check_params, flatten, init_params, specs_of, unflatten
@@ -78,7 +79,7 @@ class MoE(nnx.Module):
       impl: implementation of the routed experts passed to `moe_forward` ("auto", "xla", "reference", ...).
       mesh: optional `jax.sharding.Mesh`: parameters are created sharded on it (experts over `expert_axis`, the
         intermediate dims over `tensor_axis`, the rest replicated); with `expert_axis` in the mesh, calls run
-        expert-parallel (`moejax.parallel.moe_forward_ep`), else `moe_forward` on the replicated parameters.
+        expert-parallel (`moejax.dispatch.EPPsum` or `EPAllToAll`), else `moe_forward`'s default dispatch.
       expert_axis, tensor_axis, ep_mode: the mesh axes and the mode ("replicated" | "all_to_all") of the EP call.
       fmt: the routed experts' weight format (`moejax.weights`), dense by default.
       layout: "auto" (per-expert on a CPU backend without a mesh, else stacked), "stacked" or "per_expert".
@@ -104,7 +105,7 @@ class MoE(nnx.Module):
         mesh: jax.sharding.Mesh | None = None,
         expert_axis: str = "expert",
         tensor_axis: str | None = None,
-        ep_mode: parallel.EPMode = "replicated",
+        ep_mode: EPMode = "replicated",
         fmt: type[ExpertFormat] = ExpertWeights,
         layout: Layout = "auto",
         placement: Placement | None = None,
@@ -117,8 +118,8 @@ class MoE(nnx.Module):
             raise TypeError(f"cfg must be a moejax.MoEConfig, got {type(cfg).__name__}")
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
-        if ep_mode not in parallel.EP_MODES:
-            raise ValueError(f"ep_mode={ep_mode!r} is not one of {parallel.EP_MODES}")
+        if ep_mode not in EP_MODES:
+            raise ValueError(f"ep_mode={ep_mode!r} is not one of {EP_MODES}")
         self.cfg = cfg
         self.impl = impl
         self.mesh = mesh
@@ -129,6 +130,13 @@ class MoE(nnx.Module):
         self.layout = "stacked" if mesh is not None else (default_layout() if layout == "auto" else layout)
         self.placement = placement
         self.collect_stats = collect_stats
+        # The dispatch of every call: expert-parallel when the mesh has the expert axis, else `moe_forward`'s
+        # default (data-parallel rows when the inputs live on a mesh).
+        self.dispatch = None
+        if self.expert_axis is not None:
+            self.dispatch = expert_parallel(
+                ep_mode, mesh, expert_axis=self.expert_axis, tensor_axis=tensor_axis, placement=placement
+            )
         self.lora = nnx.data(None)  # a pytree of LoRAParam groups once adapters are set
         if collect_stats:
             n = 1 if self.expert_axis is None else mesh.shape[self.expert_axis]
@@ -142,7 +150,7 @@ class MoE(nnx.Module):
                 if tensor_axis is not None:
                     raise ValueError(f"tensor_axis={tensor_axis!r} needs expert_axis={expert_axis!r} in the mesh")
             else:
-                parallel.check_mesh(cfg, mesh, expert_axis, tensor_axis, placement=placement)
+                sharding.check_mesh(cfg, mesh, expert_axis, tensor_axis, placement=placement)
             self.load_params(self._init_sharded(rngs.params(), param_dtype))
         if lora is not None:
             self.set_lora(lora)
@@ -155,13 +163,13 @@ class MoE(nnx.Module):
         )
         # With a placement, the logical experts (E need not divide by n) are replicated until laid out by slot.
         expert_axis = None if self.placement is not None else self.expert_axis
-        with nnx.logical_axis_rules(parallel.logical_axis_rules(expert_axis, self.tensor_axis)):
+        with nnx.logical_axis_rules(sharding.logical_axis_rules(expert_axis, self.tensor_axis)):
             specs = nnx.get_partition_spec(nnx.state(abstract))
         shardings = {}
         for path, spec in nnx.to_flat_state(specs):
             name = ".".join(map(str, path))
             # The router runs on every device (Gemma-4's per-expert scale too, logically `expert`): replicated.
-            spec = jax.sharding.PartitionSpec() if parallel.runs_replicated(name) else spec.get_value()
+            spec = jax.sharding.PartitionSpec() if sharding.runs_replicated(name) else spec.get_value()
             shardings[name] = jax.sharding.NamedSharding(self.mesh, spec)
         init = jax.jit(
             functools.partial(init_params, self.cfg, dtype=param_dtype, fmt=self.fmt, layout="stacked"),
@@ -169,23 +177,21 @@ class MoE(nnx.Module):
         )
         return init(key)
 
+    def _on_mesh(self, place, value):
+        """`value` placed on the layer's mesh by `place` (`shard_params` or `shard_lora`) with the layer's axes."""
+        axes = {"expert_axis": self.expert_axis, "tensor_axis": self.tensor_axis, "placement": self.placement}
+        return place(value, self.cfg, self.mesh, **axes)
+
     def load_params(self, params: MoEParams) -> None:
         """Replace every variable by `params` (e.g. from `moejax.hf.params_from_hf`), keeping the metadata.
 
         `params` must fit the layer's config (checked at once). The routed experts are converted to the layer's
         layout (a copy when they come in the other one); under a mesh the arrays are placed with
-        `moejax.parallel.shard_params` (a no-op for placed ones).
+        `moejax.sharding.shard_params` (a no-op for placed ones).
         """
         check_params(params, self.cfg)
         if self.mesh is not None:
-            params = parallel.shard_params(
-                params,
-                self.cfg,
-                self.mesh,
-                expert_axis=self.expert_axis,
-                tensor_axis=self.tensor_axis,
-                placement=self.placement,
-            )
+            params = self._on_mesh(sharding.shard_params, params)
         else:
             params = dataclasses.replace(params, experts=to_layout(params.experts, self.layout))
         self.fmt = format_of(params.experts)
@@ -209,7 +215,7 @@ class MoE(nnx.Module):
     def set_lora(self, lora: LoRAParams | None) -> None:
         """Hold the adapter stack `lora` (replacing any previous one; None removes them): A and B of each target as
         `LoRAParam` variables, the scales as `MoEBuffer`s. Under a mesh the arrays are placed by
-        `moejax.parallel.shard_lora` (same axes and placement as the experts).
+        `moejax.sharding.shard_lora` (same axes and placement as the experts).
 
         Raises:
           ValueError: `lora` is one adapter rather than a stack, or does not fit the layer's config
@@ -224,14 +230,7 @@ class MoE(nnx.Module):
             raise ValueError("lora is one adapter; the layer holds a stack: moejax.lora.stack([adapter, ...])")
         check_lora(lora, self.cfg)
         if self.mesh is not None:
-            lora = parallel.shard_lora(
-                lora,
-                self.cfg,
-                self.mesh,
-                expert_axis=self.expert_axis,
-                tensor_axis=self.tensor_axis,
-                placement=self.placement,
-            )
+            lora = self._on_mesh(sharding.shard_lora, lora)
         root = _Group()
         for name, pair in lora.pairs().items():
             holder = root
@@ -287,33 +286,20 @@ class MoE(nnx.Module):
             if self.lora is None:
                 raise ValueError("adapter_ids given, but the layer holds no adapters: MoE(..., lora=) or set_lora")
             lora = self.lora_params
-        if self.expert_axis is None:
-            adapters = {} if lora is None else {"lora": lora, "adapter_ids": adapter_ids}
-            result = moe_forward(
-                self.params, x, self.cfg, token_ids, impl=self.impl, return_stats=with_stats, **adapters
-            )
-        else:
-            result = self._forward_ep(x, token_ids, with_stats, lora, adapter_ids)
+        result = moe_forward(
+            self.params,
+            x,
+            self.cfg,
+            token_ids,
+            self.impl,
+            lora=lora,
+            adapter_ids=adapter_ids,
+            return_stats=with_stats,
+            dispatch=self.dispatch,
+        )
         if not with_stats:
             return result
         y, stats = result
         if self.collect_stats:
             self.stats.set_value(_accumulate(self.stats.get_value(), stats))
         return (y, stats) if return_stats else y
-
-    def _forward_ep(self, x: Array, token_ids: Array | None, return_stats: bool, lora, adapter_ids):
-        return parallel.moe_forward_ep(
-            self.params,
-            x,
-            self.cfg,
-            mesh=self.mesh,
-            expert_axis=self.expert_axis,
-            tensor_axis=self.tensor_axis,
-            mode=self.ep_mode,
-            token_ids=token_ids,
-            impl=self.impl,
-            return_stats=return_stats,
-            placement=self.placement,
-            lora=lora,
-            adapter_ids=adapter_ids,
-        )

@@ -5,7 +5,7 @@ over a tensor axis without separating a gate from its up). `moejax.hf` converts 
 transposed, interleaved) into this one. The routed experts (`MoEParams.experts`) are owned by `moejax.weights`:
 their format declares its arrays, and this module adds the router, the shared expert and the pre-norm around it.
 Every consumer (checks, init, flatten/unflatten, the nnx variables, `parallel.shard_params`, the loaders) reads
-`param_specs`, so a new weight format changes nothing here.
+`array_specs`, so a new weight format changes nothing here.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _hash_table(num_selectable: int):
     return init
 
 
-def param_specs(
+def array_specs(
     cfg: MoEConfig, fmt: type[ExpertFormat] = ExpertWeights, *, per_expert: bool = False
 ) -> dict[str, ArraySpec]:
     """Every array of `cfg`'s block by dotted name (`router.kernel`, `experts.gate`, `shared.down`, ...).
@@ -128,14 +128,17 @@ def param_specs(
     return specs
 
 
+param_specs = array_specs  # the name before `moejax.sharding.partition_specs` took the PartitionSpecs
+
+
 def specs_of(params: MoEParams, cfg: MoEConfig) -> dict[str, ArraySpec]:
-    """`param_specs` for the format and layout `params` holds."""
-    return param_specs(cfg, format_of(params.experts), per_expert=isinstance(params.experts, PerExpert))
+    """`array_specs` for the format and layout `params` holds."""
+    return array_specs(cfg, format_of(params.experts), per_expert=isinstance(params.experts, PerExpert))
 
 
 def expected_shapes(cfg: MoEConfig, fmt: type[ExpertFormat] = ExpertWeights) -> dict[str, tuple[int, ...]]:
     """Every parameter `cfg` needs (stacked layout), by dotted name, with its shape."""
-    return {name: spec.shape for name, spec in param_specs(cfg, fmt).items()}
+    return {name: spec.shape for name, spec in array_specs(cfg, fmt).items()}
 
 
 def flatten(params: MoEParams) -> dict[str, Array]:
@@ -182,7 +185,7 @@ def check_params(params: MoEParams, cfg: MoEConfig) -> None:
             "moejax.parallel.shard_params(..., placement=)): only moejax.parallel.moe_forward_ep(..., placement=) "
             "runs them; this takes the experts in logical order"
         )
-    expected = {name: s.shape for name, s in param_specs(cfg).items() if not name.startswith("experts.")}
+    expected = {name: s.shape for name, s in array_specs(cfg).items() if not name.startswith("experts.")}
     actual = {name: tuple(jnp.shape(v)) for name, v in flatten(params).items() if not name.startswith("experts.")}
     missing = sorted(set(expected) - set(actual))
     extra = sorted(set(actual) - set(expected))
@@ -219,7 +222,7 @@ def init_params(
     of the config changes the output. The routed experts come in format `fmt` and `layout` ("auto": per-expert
     on a CPU backend, where XLA reads them in place; stacked elsewhere).
     """
-    specs = {name: s for name, s in param_specs(cfg).items() if not name.startswith("experts.")}
+    specs = {name: s for name, s in array_specs(cfg).items() if not name.startswith("experts.")}
     key, experts_key = jax.random.split(key)
     keys = jax.random.split(key, len(specs))
     flat = {

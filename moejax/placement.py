@@ -8,7 +8,7 @@ each (token, slot) pair to one replica of its expert (`Placement.physical_ids`):
 of an expert with c replicas, for the token's row index t in the call. The choice depends on the row index only,
 so it is deterministic and the same on every device, and rows choosing a hot expert alternate among its replicas.
 The laid-out params record their placement (`MoEParams.placement`), and `moe_forward_ep` raises when run with
-another (`check_layout`): two placements of the same slot count give the same shapes.
+another (`check_placement`): two placements of the same slot count give the same shapes.
 
 The balancing routine (`balance`) is DeepSeek's EPLB algorithm, on the host in numpy, from a load vector (pairs
 per expert over a past trace, e.g. `moejax.analysis.expert_load`):
@@ -149,7 +149,7 @@ class Placement:
         return jnp.where(real, jnp.asarray(self.replica_slots)[e, replica], self.num_slots).astype(jnp.int32)
 
 
-def check_layout(laid_out: Placement | None, placement: Placement | None) -> None:
+def check_placement(laid_out: Placement | None, placement: Placement | None) -> None:
     """`ValueError` naming both when experts laid out by `laid_out` (`MoEParams.placement`; None: logical order)
     are about to run with `placement`: with the same slot count the shapes agree and every pair would silently
     meet another expert's weights."""

@@ -145,14 +145,18 @@ def check_route_inputs(x, cfg: MoEConfig, token_ids) -> None:
             f"this config routes by token id (hash_routing=True): pass token_ids with shape {tuple(x.shape[:-1])}"
         )
     if token_ids is not None:
-        if not hasattr(token_ids, "shape") or not hasattr(token_ids, "dtype"):
-            raise TypeError(f"token_ids must be an integer array or a list of ints, got {type(token_ids).__name__}")
-        if tuple(token_ids.shape) != tuple(x.shape[:-1]):
-            raise ValueError(
-                f"token_ids must have shape x.shape[:-1]={tuple(x.shape[:-1])}, got {tuple(token_ids.shape)}"
-            )
-        if not jnp.issubdtype(token_ids.dtype, jnp.integer):
-            raise TypeError(f"token_ids must be integers, got dtype {token_ids.dtype}")
+        check_row_ids("token_ids", token_ids, x)
+
+
+def check_row_ids(name: str, ids, x) -> None:
+    """`TypeError`/`ValueError` naming `name` and both shapes unless `ids` is an integer array of shape
+    `x.shape[:-1]` (one id per row)."""
+    if not hasattr(ids, "shape") or not hasattr(ids, "dtype"):
+        raise TypeError(f"{name} must be an integer array or a list of ints, got {type(ids).__name__}")
+    if tuple(ids.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"{name} must have shape x.shape[:-1]={tuple(x.shape[:-1])}, got {tuple(ids.shape)}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{name} must be integers, got dtype {ids.dtype}")
 
 
 def hash_indices(tid2eid: Array, token_ids: Array, cfg: MoEConfig) -> Array:

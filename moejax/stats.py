@@ -27,6 +27,7 @@ from moejax.config import MoEConfig
 from moejax.routing import Routing
 
 Array = jax.Array
+_PER_DEVICE = ("device_load", "local_pairs", "remote_pairs", "remote_rows")  # [n] over the expert axis
 
 
 @jax.tree_util.register_dataclass
@@ -72,18 +73,8 @@ class MoEStats:
     @classmethod
     def zeros(cls, num_experts: int, num_devices: int = 1) -> MoEStats:
         """The statistics of no call: the start of an accumulation over E experts and n devices."""
-        scalar, per_device = jnp.zeros((), jnp.int32), jnp.zeros((num_devices,), jnp.int32)
-        return cls(
-            expert_load=jnp.zeros((num_experts,), jnp.int32),
-            union_size=scalar,
-            zero_pairs=scalar,
-            tokens=scalar,
-            calls=scalar,
-            device_load=per_device,
-            local_pairs=per_device,
-            remote_pairs=per_device,
-            remote_rows=per_device,
-        )
+        shapes = {"expert_load": (num_experts,)} | dict.fromkeys(_PER_DEVICE, (num_devices,))
+        return cls(**{f.name: jnp.zeros(shapes.get(f.name, ()), jnp.int32) for f in dataclasses.fields(cls)})
 
     @classmethod
     def from_load(
@@ -114,6 +105,15 @@ class MoEStats:
             remote_pairs=remote_pairs.astype(jnp.int32),
             remote_rows=remote_rows.astype(jnp.int32),
         )
+
+    @classmethod
+    def all_local(cls, load: Array, *, tokens: int, top_k: int, computed: Array | None = None) -> MoEStats:
+        """One call's statistics where each device computes `computed` `[1]` pairs (default: the whole load), all
+        where their tokens live: one device holding every expert, or a device of an EP call with every token."""
+        computed = jnp.sum(load, dtype=jnp.int32)[None] if computed is None else computed
+        nothing = jnp.zeros((1,), jnp.int32)
+        counts = {"device_load": computed, "local_pairs": computed, "remote_pairs": nothing, "remote_rows": nothing}
+        return cls.from_load(load, tokens=tokens, top_k=top_k, **counts)
 
     # -- derived, on device (float32 scalars) ------------------------------------------------------------
     @property
@@ -155,16 +155,5 @@ class MoEStats:
 def routing_stats(routing: Routing, cfg: MoEConfig) -> MoEStats:
     """The statistics of one single-device call (`moe_forward`) from its routing `[T, K]`: one device holding
     every expert computes every routed pair locally."""
-    load = expert_load(routing.indices, cfg)  # [E]
-    computed = jnp.sum(load, dtype=jnp.int32)[None]  # [1]
-    nothing = jnp.zeros((1,), jnp.int32)
     T, K = routing.indices.shape
-    return MoEStats.from_load(
-        load,
-        tokens=T,
-        top_k=K,
-        device_load=computed,
-        local_pairs=computed,
-        remote_pairs=nothing,
-        remote_rows=nothing,
-    )
+    return MoEStats.all_local(expert_load(routing.indices, cfg), tokens=T, top_k=K)

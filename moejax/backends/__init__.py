@@ -36,7 +36,6 @@ from moejax.backends.cpu import cpu_decode, cpu_grouped
 from moejax.backends.reference import reference_routed
 from moejax.backends.xla import decode_fits, decode_plan, grouped_plan
 from moejax.experts import Slots
-from moejax.lora import ExpertLoRA, adapt
 from moejax.weights import Experts
 from pallas_kernels.activations import GatedActivation
 
@@ -172,18 +171,16 @@ def run_routed(
     slots: Slots,
     act: GatedActivation,
     *,
-    lora: ExpertLoRA | None = None,
     block_rows: int | None = None,
 ) -> Array:
     """The routed sum `[T, H]` float32 by the first candidate of `impl` that serves the call.
 
     Every backend but the reference runs under `jax.custom_vjp` with the reference's backward (see the module
-    docstring). `lora`: TRANSITION keyword, the same as passing `moejax.lora.adapt(experts, lora)`.
+    docstring). Adapters come wrapped with the experts (`moejax.lora.adapt`), their rows' ids in `slots.adapter`.
 
     Raises:
       NotImplementedError: no candidate serves it (the message lists each one's reason).
     """
-    experts = adapt(experts, lora)
     names = _names(impl, experts, slots)
     if names == ["reference"]:
         return _dispatch(impl, names, experts, x, slots, act, block_rows)
@@ -224,12 +221,8 @@ def _dispatch(impl, names, experts, x, slots, act, block_rows) -> Array:
     raise NotImplementedError(f"impl={impl!r}: no implementation serves this call ({'; '.join(reasons)})")
 
 
-def resolve_impl(
-    impl: str, experts: Experts, x: Array, slots: Slots, act: GatedActivation, *, lora: ExpertLoRA | None = None
-) -> str:
-    """The backend `impl` would run for this call (traced abstractly, nothing computed; for tests and benchmarks).
-    `lora`: TRANSITION keyword, as in `run_routed`."""
-    experts = adapt(experts, lora)
+def resolve_impl(impl: str, experts: Experts, x: Array, slots: Slots, act: GatedActivation) -> str:
+    """The backend `impl` would run for this call (traced abstractly, nothing computed; for tests and benchmarks)."""
     for name in _names(impl, experts, slots):
         try:
             run = functools.partial(BACKENDS[name].run, act=act)

@@ -1,0 +1,183 @@
+"""`EPAllToAll` (prefill): rows split over the expert axis (T padded to a multiple of n); each device routes its
+T/n rows, sends each row once to every device holding one of its experts (`all_to_all` in rounds of C rows),
+computes the pairs of its own experts on what it received, P pairs at a time, and sends the partial sums back.
+Buffers hold `capacity_factor` times the load of uniform routing; a heavier load runs more rounds or chunks (no
+row is dropped). docs/DESIGN.md explains the sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from moejax.analysis import expert_load
+from moejax.dispatch.ep import ExpertParallel
+from moejax.experts import Slots
+from moejax.stats import MoEStats
+
+Array = jax.Array
+# The buffers hold 1.25x the load of uniform routing: room for the usual imbalance of a learned router
+# within one round, while per-device memory still falls as 1/n (benchmarks/ep_memory.py).
+CAPACITY_FACTOR = 1.25
+
+
+def check_capacity_factor(capacity_factor) -> None:
+    if not (isinstance(capacity_factor, int | float) and math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ValueError(f"capacity_factor={capacity_factor!r} must be a finite number > 0")
+
+
+def all_to_all_capacity(cfg, num_tokens: int, n: int, capacity_factor: float) -> tuple[int, int]:
+    """Static buffer sizes of "all_to_all" mode: (rows per block and round, pairs per compute chunk).
+
+    Sized for uniform routing: `capacity_factor` times its mean plus three standard deviations (the sampling noise
+    of a few tokens). More is not dropped but costs another round (rows) or another chunk (pairs).
+
+    Rows: each of a source device's T/n tokens visits device d when at least one of its K distinct experts lives
+    there, with probability q = 1 - C(E - E/n, K) / C(E, K): a binomial count, at most T/n. Pairs: a device
+    computes T·K/n pairs on average (about as many, as a count, as the variance), at most n·rows·K per round.
+    """
+    tokens_per_device = max(1, -(-num_tokens // n))
+    E, K = cfg.num_experts, min(cfg.top_k, cfg.num_experts)
+    misses = math.prod(max(0.0, 1 - (E / n) / (E - i)) for i in range(K))  # no expert of the token on d
+    visits = (1 - misses) * tokens_per_device
+    rows = math.ceil(capacity_factor * (visits + 3 * math.sqrt(visits * misses)))
+    pairs = math.ceil(capacity_factor * (tokens_per_device * K + 3 * math.sqrt(tokens_per_device * K)))
+    rows = min(tokens_per_device, max(1, rows))
+    return rows, min(n * rows * K, max(1, pairs))
+
+
+@dataclasses.dataclass(frozen=True)
+class EPAllToAll(ExpertParallel):
+    """Rows split over the expert axis, dispatched to and combined from the devices of their experts."""
+
+    capacity_factor: float = CAPACITY_FACTOR
+    token_split = True
+
+    def __post_init__(self) -> None:
+        check_capacity_factor(self.capacity_factor)
+
+    def routed_sum(self, step, x_e, slots, routing, *, cfg, num_tokens):
+        """Per device: its `[T/n, H]` rows; dispatch, compute, return, combine -> (`[T/n, H]` float32, stats).
+
+        `num_local` is the number of experts (or, with a placement, slots) per device; `ids` the expert (or slot)
+        id of each pair. Per-row ids of the slots (`slots.adapter`) travel with their rows as one more column."""
+        T_l, H = x_e.shape
+        K, E, n = cfg.top_k, cfg.num_experts, self.num_devices
+        rows_per_block, pairs_per_chunk = all_to_all_capacity(cfg, num_tokens, n, self.capacity_factor)
+        num_local = step.num_experts
+        me = jax.lax.axis_index(self.expert_axis)
+        rows = me * T_l + jnp.arange(T_l)  # [T_l] global row index
+        valid = rows < num_tokens  # [T_l] False on the padding rows
+        real = (routing.indices < E) & valid[:, None]  # [T_l, K] slots that need an expert
+        ids = routing.indices if self.placement is None else self.placement.physical_ids(routing.indices, rows)
+        devices = jnp.arange(n)
+        owner = jnp.where(real, ids // num_local, n)  # [T_l, K]; n: nobody
+        needs = (owner[:, None, :] == devices[None, :, None]).any(-1)  # [T_l, n] token t visits device d
+        # One weight per slot travels: the input scale where the family scales inputs (Llama-4), else the output.
+        weight = slots.out_weight if slots.in_scale is None else slots.in_scale  # [T_l, K]
+
+        # The visits to each device in token order, T_l past the last: visit v to d is sent in round v // C.
+        num_rounds = -(-T_l // rows_per_block)
+        rank = jnp.where(needs, jnp.cumsum(needs, axis=0) - 1, num_rounds * rows_per_block)  # [T_l, n]
+        visits = jnp.full((n, num_rounds * rows_per_block), T_l, jnp.int32)
+        visits = visits.at[devices[None, :], rank].set(jnp.arange(T_l, dtype=jnp.int32)[:, None], mode="drop")
+        # Every device runs the same number of rounds (each round is a collective): enough for the busiest block.
+        rounds = jax.lax.pmax(-(-needs.sum(0, dtype=jnp.int32).max() // rows_per_block), self.expert_axis)
+        step = self.tensor_step(step)
+
+        def one_round(r: Array, routed: Array) -> Array:
+            token = jax.lax.dynamic_slice_in_dim(visits, r * rows_per_block, rows_per_block, 1)  # [n, C]
+            sent = token < T_l
+            token = jnp.minimum(token, T_l - 1)
+            here = (owner[token] == devices[:, None, None]) & sent[..., None]  # [n, C, K] slots block d computes
+            local_ids = jnp.where(here, ids[token] - devices[:, None, None] * num_local, num_local)
+            local_w = jnp.where(here, weight[token], 0.0)
+            # Ids and weights travel in one int32 buffer (weights bitcast: integers are never flushed or rounded).
+            columns = [local_ids, jax.lax.bitcast_convert_type(local_w, jnp.int32)]
+            if slots.adapter is not None:  # the row's id travels with it
+                columns.append(slots.adapter[token][..., None])
+            meta = jnp.concatenate(columns, -1)  # [n, C, 2K (+1)]
+            recv_x = jax.lax.all_to_all(x_e[token], self.expert_axis, 0, 0)  # [n, C, H] block s: from device s
+            recv_meta = jax.lax.all_to_all(meta, self.expert_axis, 0, 0).reshape(n * rows_per_block, -1)
+            partial = _compute_received(
+                step,
+                recv_x.reshape(n * rows_per_block, H),
+                recv_meta[:, :K],
+                jax.lax.bitcast_convert_type(recv_meta[:, K : 2 * K], jnp.float32),
+                None if slots.adapter is None else recv_meta[:, 2 * K],
+                cfg=cfg,
+                pairs=pairs_per_chunk,
+                in_scale=slots.in_scale is not None,
+            )  # [n·C, H] float32
+            back = jax.lax.all_to_all(partial.reshape(n, rows_per_block, H), self.expert_axis, 0, 0)
+            return routed.at[jnp.where(sent, token, T_l)].add(back, mode="drop")
+
+        routed = _repeat(one_round, rounds, num_rounds, jnp.zeros((T_l, H), jnp.float32))  # [T_l, H]
+        if self.tensor_axis is not None:
+            routed = jax.lax.psum(routed, self.tensor_axis)
+
+        local_pairs = (owner == me).sum(dtype=jnp.int32)
+        pairs_to = jnp.bincount(owner.reshape(-1), length=n + 1)[:n].astype(jnp.int32)  # [n] my pairs per device
+        valid_ids = jnp.where(valid[:, None], routing.indices, -1)
+        stats = MoEStats.from_load(
+            jax.lax.psum(expert_load(valid_ids, cfg), self.expert_axis),
+            tokens=num_tokens,
+            top_k=K,
+            device_load=jax.lax.psum(pairs_to, self.expert_axis)[me][None],
+            local_pairs=local_pairs[None],
+            remote_pairs=(real.sum(dtype=jnp.int32) - local_pairs)[None],
+            remote_rows=(needs.sum(dtype=jnp.int32) - needs[:, me].sum(dtype=jnp.int32))[None],
+        )
+        return routed, stats
+
+
+def _repeat(body: Callable[[Array, Array], Array], trips: Array, max_trips: int, init: Array) -> Array:
+    """`fori_loop(0, trips, body, init)`, where `body` adds nothing on a trip past the work (so that when at most one
+    trip is ever needed it runs once, with no loop: less to compile)."""
+    if max_trips == 1:
+        return body(jnp.int32(0), init)
+    return jax.lax.fori_loop(0, trips, body, init)
+
+
+def _compute_received(step, x: Array, ids: Array, weight: Array, row_ids: Array | None, *, cfg, pairs, in_scale):
+    """The weighted partial sums `[R, H]` float32 of the received rows `x [R, H]` over their local slots.
+
+    Only the local (token, slot) pairs are computed: they are compacted (in row order) into a list, which is run
+    through the expert step `pairs` at a time, one slot per row (`Slots [pairs, 1]`), and each result is added to
+    its row. A `while` loop over ceil(local pairs / pairs) chunks: a device that received more than the capacity
+    computes it all, in more chunks.
+
+    Args:
+      ids: `[R, K]` local expert ids; >= the number of local experts: not here (another device's, or padding).
+      weight: `[R, K]` each slot's output weight, or its input scale when `in_scale`.
+      row_ids: `[R]` each received row's per-row id (`Slots.adapter`), or None.
+    """
+    R, K = ids.shape
+    num_local = step.num_experts
+    local = (ids < num_local).reshape(-1)  # [R·K]
+    count = local.sum(dtype=jnp.int32)
+    position = jnp.where(local, jnp.cumsum(local) - 1, R * K)
+    pair_slot = jnp.zeros(R * K, jnp.int32).at[position].set(jnp.arange(R * K, dtype=jnp.int32), mode="drop")
+    # The plan's blocks are sized for a chunk's expected load per local expert.
+    num_pairs = -(-pairs * cfg.num_experts // num_local)
+
+    def one_chunk(c: Array, out: Array) -> Array:
+        index = c * pairs + jnp.arange(pairs)
+        live = index < count  # [pairs] False past the last local pair
+        flat = jnp.where(live, pair_slot[jnp.minimum(index, R * K - 1)], 0)  # [pairs] into [R·K]
+        row = flat // K
+        chunk_ids = jnp.where(live, ids.reshape(-1)[flat], num_local)[:, None]  # [pairs, 1]
+        chunk_w = jnp.where(live, weight.reshape(-1)[flat], 0.0)[:, None]
+        # Llama-4 scales the input by the routing weight and sums the outputs unweighted.
+        slots = Slots(chunk_ids, live[:, None].astype(jnp.float32), chunk_w) if in_scale else Slots(chunk_ids, chunk_w)
+        if row_ids is not None:
+            slots = dataclasses.replace(slots, adapter=row_ids[row])
+        y = step(x[row], slots, num_pairs=num_pairs)  # [pairs, H]
+        return out.at[jnp.where(live, row, R)].add(y, mode="drop")
+
+    out = jnp.zeros((R, x.shape[-1]), jnp.float32)
+    return _repeat(one_chunk, -(-count // pairs), -(-R * K // pairs), out)
