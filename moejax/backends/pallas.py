@@ -51,7 +51,7 @@ def quantized_weights(kernel: str, experts: QuantizedExperts) -> tuple[Quantized
     s = experts.scheme
     if experts.gate_q.ndim != 3:
         raise NotImplementedError(f"{kernel}: reads the stacked layout of {type(experts).__name__}")
-    kind = f"int{s.bits}" if s.kind == "int" else s.kind
+    kind = s.kernel_kind
     out = []
     for p in ("gate", "up", "down"):
         w = QuantizedWeight(
