@@ -1,7 +1,8 @@
-"""`moe_forward`: route, run the routed experts through an implementation, add the zero-expert and shared terms.
+"""`moe_forward`: the one pipeline of the MoE block, used by every entry point: route -> dispatch -> routed experts
+-> once-terms (zero experts, shared expert).
 
-The implementation of the routed experts is chosen by `impl=` in `moejax.backends` (the registry, with the
-list of implementations and the order `"auto"` tries them in). Called outside jit, `moe_forward` runs through a
+Where the rows and experts go is the dispatch mode (`moejax.dispatch`); how the routed experts are computed is
+`impl=` (`moejax.backends`, called from `routed_experts` only). Called outside jit, `moe_forward` runs through a
 cached `jax.jit` (`moejax.eager`): one compiled program per shape, not one per call.
 """
 
@@ -121,6 +122,8 @@ def moe_forward(
     rows) gives an empty output.
     """
     token_ids = as_token_ids(token_ids, cfg)
+    if dispatch is not None and not isinstance(dispatch, Dispatch):
+        raise TypeError(f"dispatch must be a moejax.dispatch.Dispatch (e.g. Local()), got {type(dispatch).__name__}")
     checking = Local() if dispatch is None else dispatch
     operands, views = checking.check((params, lora), cfg, impl)
     check_inputs(views[0], x, cfg, token_ids)
