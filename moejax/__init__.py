@@ -1,6 +1,6 @@
 """moejax: a Mixture-of-Experts layer for LLM inference in JAX, exact to the major MoE model families."""
 
-from moejax import hf, lora
+from moejax import dispatch, hf, lora, parallel, sharding
 from moejax.config import (
     FAMILIES,
     Activation,
@@ -40,11 +40,14 @@ __all__ = [
     "SharedParams",
     "checked_moe_forward",
     "dequantize",
+    "dispatch",
     "hf",
     "init_params",
     "lora",
     "moe_forward",
+    "parallel",
     "quantize",
     "route",
+    "sharding",
 ]
 __version__ = "0.1.0"

@@ -1,7 +1,8 @@
-"""`moe_forward`: route, run the routed experts through an implementation, add the zero-expert and shared terms.
+"""`moe_forward`: the one pipeline of the MoE block, used by every entry point: route -> dispatch -> routed experts
+-> once-terms (zero experts, shared expert).
 
-The implementation of the routed experts is chosen by `impl=` in `moejax.backends` (the registry, with the
-list of implementations and the order `"auto"` tries them in). Called outside jit, `moe_forward` runs through a
+Where the rows and experts go is the dispatch mode (`moejax.dispatch`); how the routed experts are computed is
+`impl=` (`moejax.backends`, called from `routed_experts` only). Called outside jit, `moe_forward` runs through a
 cached `jax.jit` (`moejax.eager`): one compiled program per shape, not one per call.
 """
 
@@ -121,6 +122,8 @@ def moe_forward(
     rows) gives an empty output.
     """
     token_ids = as_token_ids(token_ids, cfg)
+    if dispatch is not None and not isinstance(dispatch, Dispatch):
+        raise TypeError(f"dispatch must be a moejax.dispatch.Dispatch (e.g. Local()), got {type(dispatch).__name__}")
     checking = Local() if dispatch is None else dispatch
     operands, views = checking.check((params, lora), cfg, impl)
     check_inputs(views[0], x, cfg, token_ids)
@@ -163,17 +166,10 @@ def _pipeline(operands, rows, *, cfg, impl, dispatch, num_tokens, with_stats, wi
     params, lora = operands
     x = rows["x"]
     lead = x.shape[:-1]
-    flat = lambda a: a.reshape(-1, *a.shape[len(lead) :])
-    xs = flat(x)  # [T, H]
-    adapter = flat(rows["adapter"]) if "adapter" in rows else None
-    if "routing" in rows:
-        routing = jax.tree.map(flat, rows["routing"])
-    else:
-        tids = flat(rows["token_ids"]) if "token_ids" in rows else None
-        adapters = {} if lora is None else {"lora": lora.router, "adapter": adapter}
-        routing = route(params, xs, cfg, tids, **adapters)
-    x_e = expert_input(params, xs, cfg)
-    slots = slots_from_routing(routing, cfg, adapter)
+    flat = {name: value.reshape(-1, *value.shape[len(lead) :]) for name, value in rows.items() if name != "routing"}
+    given = jax.tree.map(lambda a: a.reshape(-1, *a.shape[len(lead) :]), rows.get("routing"))
+    routing, x_e, slots = _expert_operands(params, lora, flat, given, cfg)
+    adapter = flat.get("adapter")
     step = ExpertStep(impl, params.experts, cfg, None if lora is None else lora.experts)
     routed, stats = dispatch.routed_sum(step, x_e, slots, routing, cfg=cfg, num_tokens=num_tokens)
     out = add_once_terms(
@@ -277,16 +273,27 @@ def _empty_routing(x: Array, cfg: MoEConfig) -> Routing:
     )
 
 
+def _expert_operands(params, lora, rows: dict[str, Array], routing: Routing | None, cfg: MoEConfig):
+    """Steps 1-2 of the pipeline on flat rows `[T, ...]`: the routing (the given one, else the router's, with the
+    router adapters of the rows' ids), the expert input `[T, H]` and the slots `[T, K]` (carrying the ids)."""
+    adapter = rows.get("adapter")
+    if routing is None:
+        adapters = {} if lora is None else {"lora": lora.router, "adapter": adapter}
+        routing = route(params, rows["x"], cfg, rows.get("token_ids"), **adapters)
+    return routing, expert_input(params, rows["x"], cfg), slots_from_routing(routing, cfg, adapter)
+
+
 def chosen_impl(params, x, cfg, token_ids=None, impl="auto", *, lora=None) -> str:
     """The routed-expert backend `moe_forward(params, x, cfg, token_ids, impl, lora=lora, ...)` runs, for its
     arguments and types (traced abstractly: nothing is computed; params and x may be `jax.ShapeDtypeStruct`s)."""
 
     def inputs(params, x, token_ids):
-        flat = x.reshape(-1, cfg.hidden_size)
-        tids = None if token_ids is None else token_ids.reshape(-1)
-        adapter = None if lora is None else jnp.zeros(flat.shape[:1], jnp.int32)
-        slots = slots_from_routing(route(params, flat, cfg, tids), cfg, adapter)
-        return expert_input(params, flat, cfg), slots
+        rows = {"x": x.reshape(-1, cfg.hidden_size)}
+        if token_ids is not None:
+            rows["token_ids"] = token_ids.reshape(-1)
+        if lora is not None:
+            rows["adapter"] = jnp.zeros(rows["x"].shape[:1], jnp.int32)
+        return _expert_operands(params, lora, rows, None, cfg)[1:]
 
     x_e, slots = jax.eval_shape(inputs, params, x, token_ids)
     experts = adapt(params.experts, None if lora is None else lora.experts)

@@ -16,6 +16,9 @@ from moejax.lora import LoRAPair, _target_shapes, from_pairs, stack
 from moejax.parallel import shard_params
 
 T = 8
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # compile time
+STATIC = ("cfg", "impl", "dispatch", "return_stats", "return_routing")
+forward = jax.jit(moejax.moe_forward, static_argnames=STATIC, compiler_options=FAST)
 # LongCat has zero-computation experts (zero_weight), Llama-4 scales the expert input by the routing weight.
 FAMILIES = {
     "qwen3_next": {},
@@ -62,9 +65,7 @@ def test_replayed_routing_gives_the_forward_bit_for_bit(family, mode):
         x = jax.device_put(x, placed)
     if isinstance(dispatch, D.ExpertParallel):
         params = shard_params(params, cfg, dispatch.mesh)
-    y, stats, routing = moejax.moe_forward(
-        params, x, cfg, impl="xla", dispatch=dispatch, return_stats=True, return_routing=True
-    )
+    y, stats, routing = forward(params, x, cfg, impl="xla", dispatch=dispatch, return_stats=True, return_routing=True)
     if mode == "local":
         expected = moejax.route(params, x, cfg)
         np.testing.assert_array_equal(routing.indices, expected.indices)
@@ -73,12 +74,10 @@ def test_replayed_routing_gives_the_forward_bit_for_bit(family, mode):
         shifted = moejax.Routing(
             (routing.indices + 1) % cfg.num_experts, routing.weights, routing.logits, routing.zero_weight
         )
-        other = moejax.moe_forward(params, x, cfg, impl="xla", routing=shifted)
+        other = forward(params, x, cfg, impl="xla", routing=shifted)
         assert not np.array_equal(other, y)
     assert (routing.zero_weight is None) == (cfg.num_zero_experts == 0)
-    replayed, replay_stats = moejax.moe_forward(
-        params, x, cfg, impl="xla", dispatch=dispatch, routing=routing, return_stats=True
-    )
+    replayed, replay_stats = forward(params, x, cfg, impl="xla", dispatch=dispatch, routing=routing, return_stats=True)
     np.testing.assert_array_equal(replayed, y)
     np.testing.assert_array_equal(replay_stats.expert_load, stats.expert_load)
 
@@ -94,7 +93,7 @@ def test_gradients_reach_x_and_experts_but_not_the_router():
     routing = moejax.route(params, x, cfg)
     c = jax.random.normal(jax.random.key(2), x.shape)
     loss = lambda p, x, r=None: jnp.sum(moejax.moe_forward(p, x, cfg, impl="xla", routing=r) * c)
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), compiler_options=FAST)
     g_replay, gx_replay = grad(params, x, routing)
     g_full, gx_full = grad(params, x)
     assert all(np.all(np.asarray(leaf) == 0) for leaf in jax.tree.leaves(g_replay.router))
@@ -110,18 +109,18 @@ def test_a_routing_of_the_wrong_shape_or_dtype_names_the_field():
     routing = moejax.route(params, x, cfg)
     bad = moejax.Routing(routing.indices[:3], routing.weights, routing.logits, routing.zero_weight)
     with pytest.raises(ValueError, match=r"routing.indices must have shape \(8, 4\).*got \(3, 4\)"):
-        moejax.moe_forward(params, x, cfg, routing=bad)
+        forward(params, x, cfg, routing=bad)
     bad = moejax.Routing(routing.indices, routing.weights, routing.logits, None)
     with pytest.raises(ValueError, match=r"routing.zero_weight must be an array of shape \(8,\)"):
-        moejax.moe_forward(params, x, cfg, routing=bad)
+        forward(params, x, cfg, routing=bad)
     bad = moejax.Routing(routing.indices.astype(jnp.float32), routing.weights, routing.logits, routing.zero_weight)
     with pytest.raises(ValueError, match=r"routing.indices must be integer"):
-        moejax.moe_forward(params, x, cfg, routing=bad)
+        forward(params, x, cfg, routing=bad)
 
 
 def test_empty_batch_returns_an_empty_routing():
     cfg, params, _ = _setup("longcat_flash")
-    y, routing = moejax.moe_forward(params, jnp.zeros((0, cfg.hidden_size)), cfg, return_routing=True)
+    y, routing = forward(params, jnp.zeros((0, cfg.hidden_size)), cfg, return_routing=True)
     assert y.shape == (0, cfg.hidden_size) and routing.indices.shape == (0, cfg.top_k)
     assert routing.zero_weight.shape == (0,)
 
@@ -141,10 +140,13 @@ def test_replay_with_lora_skips_the_router_adapters():
     }
     lora = stack([from_pairs(pairs)])
     ids = jnp.array([1, 0, 1, 1], jnp.int32)
-    y, routing = moejax.moe_forward(params, x, cfg, impl="xla", lora=lora, adapter_ids=ids, return_routing=True)
+    y, routing = forward(params, x, cfg, impl="xla", lora=lora, adapter_ids=ids, return_routing=True)
 
-    replay = lambda lora: moejax.moe_forward(params, x, cfg, impl="xla", lora=lora, adapter_ids=ids, routing=routing)
-    np.testing.assert_array_equal(replay(lora), y)
-    grads = jax.jit(jax.grad(lambda lora: jnp.sum(replay(lora) ** 2)))(lora)
+    replayed = forward(params, x, cfg, impl="xla", lora=lora, adapter_ids=ids, routing=routing)
+    np.testing.assert_array_equal(replayed, y)
+    loss = lambda lora: jnp.sum(
+        moejax.moe_forward(params, x, cfg, impl="xla", lora=lora, adapter_ids=ids, routing=routing) ** 2
+    )
+    grads = jax.jit(jax.grad(loss), compiler_options=FAST)(lora)
     assert np.all(np.asarray(grads.router.a) == 0) and np.all(np.asarray(grads.router.b) == 0)
     assert np.any(np.asarray(grads.experts.gate.a) != 0)
