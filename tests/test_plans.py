@@ -1,16 +1,20 @@
 """The plans (XLA on the stacked layout, CPU on the per-expert layout) against the dense float32 reference, on fresh
 random inputs; the read-once property of each, counted at run time."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from multihost_worker import numpy_params
 
 import moejax
 from moejax.backends.xla import union_of_experts
 from moejax.experts import Slots, expert_activation, slots_from_routing
+from moejax.params import with_experts_layout
 from moejax.weights import ExpertWeights, FusedExpertWeights
 
 FAMILIES = moejax.FAMILIES
@@ -21,11 +25,14 @@ def _layout(impl):
 
 
 def _inputs(cfg, T, seed, dtype=jnp.float32, layout="stacked"):
-    kp, kx, kt = jax.random.split(jax.random.key(seed), 3)
-    params = moejax.init_params(cfg, kp, dtype, layout=layout)
-    x = jax.random.normal(kx, (T, cfg.hidden_size), jnp.float32).astype(dtype)
-    token_ids = jax.random.randint(kt, (T,), 0, cfg.vocab_size) if cfg.hash_routing else None
-    return params, x, token_ids
+    """Params, x [T, H] and token ids drawn with numpy (`numpy_params`, cast to the dtypes `init_params` gives):
+    examples have new shapes, and jax.random would compile its programs again for each (1-3 s of CPU each)."""
+    rng = np.random.default_rng(seed)
+    dtypes = jax.eval_shape(lambda k: moejax.init_params(cfg, k, dtype, layout="stacked"), jax.random.key(0))
+    params = jax.tree.map(lambda a, s: jnp.asarray(np.asarray(a).astype(s.dtype)), numpy_params(cfg, seed), dtypes)
+    x = jnp.asarray(rng.standard_normal((T, cfg.hidden_size)).astype(dtype))
+    token_ids = jnp.asarray(rng.integers(0, cfg.vocab_size, T), jnp.int32) if cfg.hash_routing else None
+    return with_experts_layout(params, layout), x, token_ids
 
 
 # LLVM's expensive passes off: every example compiles two programs for new shapes, and these compile about twice as
@@ -52,12 +59,12 @@ def cases(draw, max_rows):
 
 
 def _check_plan(impl, cfg, T, same_rows, seed):
-    params, x, tid = _inputs(cfg, T, seed, layout=_layout(impl))
+    params, x, tid = _inputs(cfg, T, seed)
     if same_rows:
         x = jnp.broadcast_to(x[0], x.shape)
         tid = None if tid is None else jnp.broadcast_to(tid[0], tid.shape)
-    ref = forward(params, x, cfg, tid, "reference")
-    got = forward(params, x, cfg, tid, impl)
+    ref = forward(params, x, cfg, tid, "reference")  # stacked: one program for both plan kinds
+    got = forward(with_experts_layout(params, _layout(impl)), x, cfg, tid, impl)
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
 
 
@@ -202,6 +209,11 @@ def test_cpu_grouped_plan_never_reads_empty_experts(monkeypatch):
     assert set(reads) == set(np.asarray(routing.indices).ravel().tolist())
 
 
+@functools.partial(jax.jit, static_argnums=(0, 4), compiler_options=FAST)  # eager runs op by op: 3x the CPU time
+def _jit_run(impl, experts, x, slots, act):
+    return moejax.backends.BACKENDS[impl].run(experts, x, slots, act)
+
+
 def test_slots_skip_ids_past_the_experts():
     """Ids >= E (zero-computation experts, experts of other devices) are never computed by any plan."""
     cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=16, top_k=4)
@@ -209,7 +221,7 @@ def test_slots_skip_ids_past_the_experts():
         params, x, _ = _inputs(cfg, 3, 4, layout=_layout(impl))
         indices = jnp.array([[0, 16, 3, 99], [16, 16, 16, 16], [5, 5, 1, 17]], jnp.int32)
         slots = Slots(indices, jnp.where(indices < 16, 0.5, 0.0))
-        got = moejax.backends.BACKENDS[impl].run(params.experts, x, slots, expert_activation(cfg))
-        want = moejax.backends.BACKENDS["reference"].run(params.experts, x, slots, expert_activation(cfg))
+        got = _jit_run(impl, params.experts, x, slots, expert_activation(cfg))
+        want = _jit_run("reference", params.experts, x, slots, expert_activation(cfg))
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
         np.testing.assert_array_equal(got[1], 0.0)
