@@ -1,4 +1,4 @@
-"""`MoEConfig`: one frozen, validated description of an MoE block, able to express every family in FAMILIES.md.
+"""`MoEConfig`: one frozen, validated description of an MoE block, able to express every family in docs/FAMILIES.md.
 
 The config says *what* the block computes (routing math, expert math, shared expert); it never says how
 (backend, block sizes) and never knows about sharding. Presets per family are classmethods on `MoEConfig`
@@ -264,7 +264,7 @@ class MoEConfig:
 
     @classmethod
     def preset(cls, family: str, **overrides: Any) -> MoEConfig:
-        """The block semantics of `family` (see FAMILIES.md) at small default sizes; sizes via overrides.
+        """The block semantics of `family` (see docs/FAMILIES.md) at small default sizes; sizes via overrides.
 
         >>> MoEConfig.preset("deepseek_v3", hidden_size=7168, num_experts=256, intermediate_size=2048)
         """

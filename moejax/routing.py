@@ -1,6 +1,6 @@
 """Routing: router logits -> `Routing(indices, weights, zero_weight, logits)`.
 
-The order of operations, for every family (FAMILIES.md §17):
+The order of operations, for every family (docs/FAMILIES.md §17):
 
 1. Router input: `x`, or Gemma-4's `rmsnorm(x) * scale / sqrt(H)` (router_prenorm).
 2. Logits `[T, N]` (N = E + zero experts) in float32 or the input dtype (`router_dtype`), plus the logit bias.

@@ -31,7 +31,7 @@ from moejax.hf.configs import config_from_hf, is_moe_layer, moe_layer_indices
 from moejax.hf.convert import params_from_hf, params_to_hf
 from moejax.hf.families import BY_MODEL_TYPE, FAMILY_RECORDS, Block, Family
 
-# HF model_type -> moejax family (FAMILIES.md).
+# HF model_type -> moejax family (docs/FAMILIES.md).
 MODEL_TYPES: dict[str, str] = {model_type: family.name for model_type, family in BY_MODEL_TYPE.items()}
 
 __all__ = [

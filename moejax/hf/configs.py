@@ -66,7 +66,7 @@ def config_from_hf(hf_config: Any, layer_idx: int | None = None) -> MoEConfig:
       hf_config: a transformers `PretrainedConfig` (anything with `to_dict()`), an object with attributes, or the
         config dict (`config.json`); a multimodal config is read through its `text_config`. Every spelling of a
         field is read (transformers 5's `num_local_experts` as older configs' `num_experts`, ...); keys absent
-        under every spelling take the transformers defaults listed in FAMILIES.md.
+        under every spelling take the transformers defaults listed in docs/FAMILIES.md.
       layer_idx: the decoder layer, for settings that vary per layer (DeepSeek-V4 hash / top-k layers, Step-3.7
         clamps). Needed only where they do vary; when given, it must be an MoE layer.
     Raises:

@@ -159,7 +159,7 @@ def experts_from_hf(
         gate_up = sd.take("experts.gate_up_proj", (E, H, 2 * I))
         gate, up = split_gate_up("llama4", gate_up, -1)
         return ExpertWeights, {"gate": gate, "up": up, "down": sd.take("experts.down_proj", (E, I, H))}
-    # LongCat sizes gate_up_proj with the zero experts too; their rows are never used (FAMILIES.md §11).
+    # LongCat sizes gate_up_proj with the zero experts too; their rows are never used (docs/FAMILIES.md §11).
     rows = (E, cfg.num_selectable) if block_keys.zero_expert_rows else (E,)
     gate_up = sd.take("experts.gate_up_proj", *((r, 2 * I, H) for r in rows))[:E]
     down = sd.take("experts.down_proj", (E, H, I))
@@ -237,7 +237,7 @@ def experts_to_hf(
 
 
 def _zero_expert_rows(hf: dict[str, np.ndarray], block_keys: BlockKeys, cfg: MoEConfig) -> dict[str, np.ndarray]:
-    """LongCat's gate_up_proj has rows for the zero experts too (never used; FAMILIES.md §19.2): transformers
+    """LongCat's gate_up_proj has rows for the zero experts too (never used; docs/FAMILIES.md §19.2): transformers
     refuses a checkpoint without them, so they are written as zeros."""
     zeros = cfg.num_zero_experts
     if "experts.gate_up_proj" in hf:

@@ -1,7 +1,7 @@
 """Per family: how its Hugging Face config maps to `MoEConfig` fields, and which decoder layers hold an MoE block.
 
 The family records (`moejax.hf.families`) name these functions; each reads the config through `HFConfig` (every
-spelling of a field) and takes the transformers class defaults where a field is absent (FAMILIES.md).
+spelling of a field) and takes the transformers class defaults where a field is absent (docs/FAMILIES.md).
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def deepseek_v4(c: HFConfig, layer: int | None) -> dict:
         raise NotImplementedError("deepseek_v4 with mlp_bias=True (biases on the shared expert) is not supported")
     scoring = c.get("scoring_func", default="sqrtsoftplus")
     if scoring not in ("sqrtsoftplus", "sigmoid"):
-        # transformers raises KeyError for "softmax" too (ACT2FN has no softmax; FAMILIES.md §19.3).
+        # transformers raises KeyError for "softmax" too (ACT2FN has no softmax; docs/FAMILIES.md §19.3).
         raise ValueError(f"deepseek_v4 scoring_func={scoring!r} is not one of ['sqrtsoftplus', 'sigmoid']")
     sizes = c.sizes(("moe_intermediate_size", "intermediate_size"), (256, 6, 2048))
     limit = c.get("swiglu_limit", default=10.0)

@@ -98,7 +98,7 @@ LONGCAT = BlockKeys(
     router="router.classifier.weight",
     correction=("router.e_score_correction_bias",),
     zero_expert_rows=True,
-    ignored=("router.classifier.bias",),  # exists with router_bias=True, never applied (FAMILIES.md §19.1)
+    ignored=("router.classifier.bias",),  # exists with router_bias=True, never applied (docs/FAMILIES.md §19.1)
 )
 GEMMA4 = BlockKeys(  # no block module: router and experts sit on the decoder layer
     "gemma4",
