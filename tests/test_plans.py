@@ -68,13 +68,13 @@ def _check_plan(impl, cfg, T, same_rows, seed):
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
 
 
-@settings(max_examples=8)  # each example compiles new shapes (suite time: 27 s at 12)
+@settings(max_examples=6)  # each example compiles new shapes (suite time: 27 s at 12)
 @given(case=cases(max_rows=8))
 def test_decode_plan_equals_reference(case):
     _check_plan("xla_decode", *case)
 
 
-@settings(max_examples=8)  # each example compiles new shapes (suite time: 23 s at 12)
+@settings(max_examples=6)  # each example compiles new shapes (suite time: 23 s at 12)
 @given(case=cases(max_rows=300))
 def test_grouped_plan_equals_reference(case):
     _check_plan("xla_grouped", *case)
@@ -166,7 +166,11 @@ def _slots(params, x, cfg, indices=None):
 
 
 def _run(impl, params, x, slots, cfg, **kwargs):
-    moejax.backends.BACKENDS[impl].run(params.experts, x, slots, expert_activation(cfg), **kwargs).block_until_ready()
+    """The plan jitted as users run it (eager runs op by op: 2-3x the CPU time), traced anew for each call: the
+    counting patch of `gate_up` must be in the trace."""
+    run = moejax.backends.BACKENDS[impl].run
+    plan = jax.jit(lambda e, v, s: run(e, v, s, expert_activation(cfg), **kwargs), compiler_options=FAST)
+    plan(params.experts, x, slots).block_until_ready()
     jax.effects_barrier()
 
 
