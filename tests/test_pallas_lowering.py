@@ -144,3 +144,36 @@ def test_export_with_the_interpreter_is_refused(platforms, error):
     platforms at once nor serialize (jax 0.10.2): export for CUDA alone."""
     with pytest.raises(NotImplementedError, match=error):
         export_for(platforms)
+
+
+def test_the_four_moe_ops_take_the_written_out_arguments():
+    """The MoE ops' signature pinned by hand: the references now take their op's signature (`moe_reference`), so
+    comparing an op with its reference cannot catch a changed op; this can. The moejax backends and benchmarks
+    call the ops positionally up to `activation` and by keyword after."""
+    import inspect
+
+    from pallas_kernels import GatedActivation, decode, grouped, tpu_decode, tpu_grouped
+
+    common = [
+        ("x", inspect.Parameter.empty),
+        ("gate", inspect.Parameter.empty),
+        ("up", inspect.Parameter.empty),
+        ("down", inspect.Parameter.empty),
+        ("indices", inspect.Parameter.empty),
+        ("weights", inspect.Parameter.empty),
+        ("in_scale", None),
+        ("activation", GatedActivation()),
+        ("gate_bias", None),
+        ("up_bias", None),
+        ("down_bias", None),
+        ("block_sizes", None),
+    ]
+    gpu_tail, tpu_tail = [("interpret", None)], [("device_kind", None), ("interpret", False)]
+    for op, tail in (
+        (decode.moe_decode, gpu_tail),
+        (grouped.moe_grouped, gpu_tail),
+        (tpu_decode.moe_tpu_decode, tpu_tail),
+        (tpu_grouped.moe_tpu_grouped, tpu_tail),
+    ):
+        got = [(name, p.default) for name, p in inspect.signature(op).parameters.items()]
+        assert got == common + tail, op.__name__
