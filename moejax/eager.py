@@ -30,6 +30,8 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
+from moejax.ids import clip_host_ids
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 _INT32 = np.iinfo(np.int32)
@@ -37,20 +39,12 @@ _INT32 = np.iinfo(np.int32)
 
 def host_ids(ids: Any) -> Any:
     """Host integer ids (a list, tuple, numpy array or scalar) as an int32 numpy array, values beyond int32
-    clipped to its range first (never wrapped). Device arrays, tracers, None and non-integer values unchanged."""
-    if isinstance(ids, bool) or not isinstance(ids, list | tuple | np.ndarray | np.integer | int):
-        return ids
+    clipped to its range first (never wrapped; `moejax.ids.clip_host_ids`). Device arrays, tracers, None,
+    non-integer values and ragged lists unchanged: the body's own check sees them."""
     try:
-        host = np.asarray(ids)
-    except ValueError:  # ragged: left to the body's own check
+        return clip_host_ids("ids", ids, int(_INT32.min), int(_INT32.max))
+    except (TypeError, ValueError):
         return ids
-    if host.size == 0:
-        return host.astype(np.int32)
-    if not np.issubdtype(host.dtype, np.integer):
-        return ids
-    if np.issubdtype(host.dtype, np.unsignedinteger):
-        return np.minimum(host, _INT32.max).astype(np.int32)
-    return np.clip(host, _INT32.min, _INT32.max).astype(np.int32)
 
 
 def _jit_keeps(leaf: Any) -> bool:

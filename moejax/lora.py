@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.ids import HOST_IDS, clip_host_ids
 from moejax.weights import padded_ffn
 
 Array = jax.Array
@@ -322,32 +323,15 @@ def as_adapter_ids(adapter_ids, num_ids: int):
     """`adapter_ids` as an integer array without wrapping: host values (a list, a numpy array or scalar) are first
     clipped to [-1, num_ids] on the host, in their own integer type, then cast to int32, so an id of 2**32 + 1 in a
     host int64 / uint64 array (or a Python int) stays out of range (-> 0 by `clamp_ids`; `checked_moe_forward`
-    raises) instead of wrapping to 1. Device arrays (any integer dtype) and tracers pass through: `clamp_ids`
-    compares them in their own type.
+    raises) instead of wrapping to 1 (`moejax.ids.clip_host_ids`). Device arrays (any integer dtype) and tracers
+    pass through: `clamp_ids` compares them in their own type.
 
     Raises:
       TypeError: host values that are not integers.
     """
-    if adapter_ids is None or isinstance(adapter_ids, jax.Array):
-        return adapter_ids
-    if not isinstance(adapter_ids, (list, tuple, np.ndarray, np.integer, int)):
-        return adapter_ids  # another array type: `moejax.forward.check_lora_inputs` checks it
-    if isinstance(adapter_ids, (list, tuple, int)):
-        # Python ints, clipped one by one: numpy would make [-1, 2**63] float64 and 2**64 an object
-        host = np.asarray(adapter_ids, dtype=object)
-        flat = host.reshape(-1).tolist()
-        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in flat):
-            raise TypeError(f"adapter_ids must be integers, got {sorted({type(v).__name__ for v in flat})}")
-        host = np.array([min(max(int(v), -1), num_ids) for v in flat], np.int64).reshape(host.shape)
-    else:
-        host = np.asarray(adapter_ids)
-    if host.size == 0:
-        host = host.astype(np.int64)
-    if not np.issubdtype(host.dtype, np.integer):
-        raise TypeError(f"adapter_ids must be integers, got dtype {host.dtype}")
-    unsigned = np.issubdtype(host.dtype, np.unsignedinteger)
-    host = np.minimum(host, num_ids) if unsigned else np.clip(host, -1, num_ids)  # in the ids' own type
-    return jnp.asarray(host.astype(np.int32))
+    if not isinstance(adapter_ids, HOST_IDS):
+        return adapter_ids  # None, a device array, a tracer or another array type: `check_lora_inputs` checks it
+    return jnp.asarray(clip_host_ids("adapter_ids", adapter_ids, -1, num_ids))
 
 
 def clamp_ids(adapter_ids: Array, num_ids: int) -> Array:

@@ -30,6 +30,7 @@ import numpy as np
 
 from moejax.config import MoEConfig, ScalingTarget, ScoreOrder, Scoring
 from moejax.eager import cached_when_eager
+from moejax.ids import HOST_IDS, clip_host_ids
 from moejax.lora import LoRAPair, add_delta, pair_delta
 from moejax.params import RouterParams
 
@@ -114,19 +115,13 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 def as_token_ids(token_ids, cfg: MoEConfig):
     """`token_ids` as an integer array; host values (a list, a numpy array) are first clipped to [-1, vocab_size]
-    on the host, in their own integer type, so a host int64 id >= 2**31 is not wrapped by the int32 cast (and an
-    out-of-range id stays out of range for `checked_moe_forward`)."""
-    if token_ids is None or isinstance(token_ids, jax.Array):
-        return token_ids
-    if isinstance(token_ids, (list, tuple, np.ndarray, np.integer, int)):
-        host = np.asarray(token_ids)
-        if host.size and not np.issubdtype(host.dtype, np.integer):
-            raise TypeError(f"token_ids must be integers, got dtype {host.dtype}")
-        host = host.astype(np.int64) if host.size == 0 else host
-        if cfg.hash_routing:
-            host = np.clip(host, -1, cfg.vocab_size)
-        return jnp.asarray(host.astype(np.int32))
-    return token_ids  # a tracer or another array type: checked by `check_route_inputs`
+    (with hash routing; else to int32's range) on the host, in their own integer type, so a host int64 id >= 2**31
+    is not wrapped by the int32 cast (and an out-of-range id stays out of range for `checked_moe_forward`):
+    `moejax.ids.clip_host_ids`."""
+    if not isinstance(token_ids, HOST_IDS):
+        return token_ids  # None, a device array, a tracer or another array type: checked by `check_route_inputs`
+    low, high = (-1, cfg.vocab_size) if cfg.hash_routing else (np.iinfo(np.int32).min, np.iinfo(np.int32).max)
+    return jnp.asarray(clip_host_ids("token_ids", token_ids, int(low), int(high)))
 
 
 def check_route_inputs(x, cfg: MoEConfig, token_ids) -> None:
