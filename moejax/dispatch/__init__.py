@@ -43,12 +43,14 @@ def expert_parallel(
     tensor_axis: str | None = None,
     placement=None,
     capacity_factor: float = CAPACITY_FACTOR,
+    transport: str = "auto",
 ) -> ExpertParallel:
-    """The EP dispatch of `mode` ("replicated": `EPPsum`, "all_to_all": `EPAllToAll`). Raises `ValueError` for an
-    unknown mode or a capacity_factor that is not a finite number > 0."""
+    """The EP dispatch of `mode` ("replicated": `EPPsum`, "all_to_all": `EPAllToAll` with `capacity_factor` and
+    `transport`). Raises `ValueError` for an unknown mode, a capacity_factor that is not a finite number > 0, or
+    an unknown transport."""
     if mode not in EP_MODES:
         raise ValueError(f"mode={mode!r} is not one of {EP_MODES}")
     check_capacity_factor(capacity_factor)
     if mode == "replicated":
         return EPPsum(mesh, expert_axis, tensor_axis, placement)
-    return EPAllToAll(mesh, expert_axis, tensor_axis, placement, capacity_factor)
+    return EPAllToAll(mesh, expert_axis, tensor_axis, placement, capacity_factor, transport)

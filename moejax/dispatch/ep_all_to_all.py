@@ -1,15 +1,23 @@
 """`EPAllToAll` (prefill): rows split over the expert axis (T padded to a multiple of n); each device routes its
-T/n rows, sends each row once to every device holding one of its experts (`all_to_all` in rounds of C rows),
+T/n rows, sends each row once to every device holding one of its experts (in rounds of C rows per device pair),
 computes the pairs of its own experts on what it received, P pairs at a time, and sends the partial sums back.
 Buffers hold `capacity_factor` times the load of uniform routing; a heavier load runs more rounds or chunks (no
 row is dropped). docs/DESIGN.md explains the sizes.
+
+The transport (`exchange`): the rows for each device are compacted at the front of its block of C, so a ragged
+all-to-all (`jax.lax.ragged_all_to_all`) sends just them, and just their partial sums back; XLA:CPU has no
+ragged all-to-all (jax 0.10.2: "HLO opcode `ragged-all-to-all` is not supported"), where `jax.lax.all_to_all`
+moves the whole blocks. `transport="auto"` picks by the platform the program is lowered for: ragged on TPU and
+CUDA, whole blocks elsewhere. Both give the same bits: a receiver reads only the rows that were sent.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +31,11 @@ Array = jax.Array
 # The buffers hold 1.25x the load of uniform routing: room for the usual imbalance of a learned router
 # within one round, while per-device memory still falls as 1/n (benchmarks/ep_memory.py).
 CAPACITY_FACTOR = 1.25
+Transport = Literal["auto", "ragged", "dense"]
+TRANSPORTS = ("auto", "ragged", "dense")
+# The collective of the "ragged" transport; one name here so that a test on CPU (which has none) can put an
+# emulation of it in its place.
+ragged_all_to_all = jax.lax.ragged_all_to_all
 
 
 def check_capacity_factor(capacity_factor) -> None:
@@ -50,15 +63,26 @@ def all_to_all_capacity(cfg, num_tokens: int, n: int, capacity_factor: float) ->
     return rows, min(n * rows * K, max(1, pairs))
 
 
+def check_transport(transport) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r} is not one of {TRANSPORTS}")
+
+
 @dataclasses.dataclass(frozen=True)
 class EPAllToAll(ExpertParallel):
-    """Rows split over the expert axis, dispatched to and combined from the devices of their experts."""
+    """Rows split over the expert axis, dispatched to and combined from the devices of their experts.
+
+    `transport`: "ragged" sends only the rows each device needs (`jax.lax.ragged_all_to_all`: TPU, CUDA), "dense"
+    whole blocks of C rows (`jax.lax.all_to_all`: any platform), "auto" ragged where the program is lowered for TPU
+    or CUDA and dense elsewhere (CPU, ROCm)."""
 
     capacity_factor: float = CAPACITY_FACTOR
+    transport: Transport = "auto"
     token_split = True
 
     def __post_init__(self) -> None:
         check_capacity_factor(self.capacity_factor)
+        check_transport(self.transport)
 
     def routed_sum(self, step, x_e, slots, routing, *, cfg, num_tokens):
         """Per device: its `[T/n, H]` rows; dispatch, compute, return, combine -> (`[T/n, H]` float32, stats).
@@ -86,8 +110,11 @@ class EPAllToAll(ExpertParallel):
         visits = jnp.full((n, num_rounds * rows_per_block), T_l, jnp.int32)
         visits = visits.at[devices[None, :], rank].set(jnp.arange(T_l, dtype=jnp.int32)[:, None], mode="drop")
         # Every device runs the same number of rounds (each round is a collective): enough for the busiest block.
-        rounds = jax.lax.pmax(-(-needs.sum(0, dtype=jnp.int32).max() // rows_per_block), self.expert_axis)
+        visits_to = needs.sum(0, dtype=jnp.int32)  # [n] rows this device sends to each device, over all rounds
+        visits_from = jax.lax.all_to_all(visits_to, self.expert_axis, 0, 0, tiled=True)  # [n] it receives from each
+        rounds = jax.lax.pmax(-(-visits_to.max() // rows_per_block), self.expert_axis)
         step = self.tensor_step(step)
+        exchange = functools.partial(_exchange, axis=self.expert_axis, transport=self.transport)
 
         def one_round(r: Array, routed: Array) -> Array:
             token = jax.lax.dynamic_slice_in_dim(visits, r * rows_per_block, rows_per_block, 1)  # [n, C]
@@ -101,19 +128,25 @@ class EPAllToAll(ExpertParallel):
             if slots.adapter is not None:  # the row's id travels with it
                 columns.append(slots.adapter[token][..., None])
             meta = jnp.concatenate(columns, -1)  # [n, C, 2K (+1)]
-            recv_x = jax.lax.all_to_all(x_e[token], self.expert_axis, 0, 0)  # [n, C, H] block s: from device s
-            recv_meta = jax.lax.all_to_all(meta, self.expert_axis, 0, 0).reshape(n * rows_per_block, -1)
+            # This round's rows: block d's first `sent_to[d]` (they are compacted at the front of each block).
+            sent_to = jnp.clip(visits_to - r * rows_per_block, 0, rows_per_block)  # [n]
+            arrive_from = jnp.clip(visits_from - r * rows_per_block, 0, rows_per_block)  # [n]
+            recv_x = exchange(x_e[token], sent_to, arrive_from)  # [n, C, H] block s: from device s
+            recv_meta = exchange(meta, sent_to, arrive_from).reshape(n * rows_per_block, -1)
+            # Only the rows that arrived are read: past them a block holds zeros (ragged) or what the sender's
+            # block held there (dense), so their slots are made "not here".
+            arrived = (jnp.arange(rows_per_block) < arrive_from[:, None]).reshape(-1, 1)  # [n·C, 1]
             partial = _compute_received(
                 step,
                 recv_x.reshape(n * rows_per_block, H),
-                recv_meta[:, :K],
+                jnp.where(arrived, recv_meta[:, :K], num_local),
                 jax.lax.bitcast_convert_type(recv_meta[:, K : 2 * K], jnp.float32),
                 None if slots.adapter is None else recv_meta[:, 2 * K],
                 cfg=cfg,
                 pairs=pairs_per_chunk,
                 in_scale=slots.in_scale is not None,
             )  # [n·C, H] float32
-            back = jax.lax.all_to_all(partial.reshape(n, rows_per_block, H), self.expert_axis, 0, 0)
+            back = exchange(partial.reshape(n, rows_per_block, H), arrive_from, sent_to)  # the way back
             return routed.at[jnp.where(sent, token, T_l)].add(back, mode="drop")
 
         routed = _repeat(one_round, rounds, num_rounds, jnp.zeros((T_l, H), jnp.float32))  # [T_l, H]
@@ -133,6 +166,39 @@ class EPAllToAll(ExpertParallel):
             remote_rows=(needs.sum(dtype=jnp.int32) - needs[:, me].sum(dtype=jnp.int32))[None],
         )
         return routed, stats
+
+
+def _exchange(blocks: Array, send_sizes: Array, recv_sizes: Array, *, axis: str, transport: Transport) -> Array:
+    """Swap blocks over `axis`: `blocks [n, C, ...]` holds in block d the rows for device d, the first
+    `send_sizes[d]` of them filled; returns `[n, C, ...]` whose block s holds the `recv_sizes[s]` rows device s
+    sent here, at its front; the rows past them are undefined (zeros or the sender's unfilled rows).
+
+    "auto" is `jax.lax.platform_dependent`: only the branch of the platform the program is lowered for is kept
+    (jax 0.10 prunes the others while lowering; a CPU program never holds a ragged all-to-all), and, unlike a
+    primitive chosen while lowering, it is differentiable (JAX transposes both collectives)."""
+    dense = functools.partial(_dense_exchange, axis=axis)
+    ragged = functools.partial(_ragged_exchange, axis=axis)
+    if transport == "dense":
+        return dense(blocks, send_sizes, recv_sizes)
+    if transport == "ragged":
+        return ragged(blocks, send_sizes, recv_sizes)
+    return jax.lax.platform_dependent(blocks, send_sizes, recv_sizes, tpu=ragged, cuda=ragged, default=dense)
+
+
+def _dense_exchange(blocks: Array, send_sizes: Array, recv_sizes: Array, *, axis: str) -> Array:
+    del send_sizes, recv_sizes  # whole blocks move
+    return jax.lax.all_to_all(blocks, axis, 0, 0)
+
+
+def _ragged_exchange(blocks: Array, send_sizes: Array, recv_sizes: Array, *, axis: str) -> Array:
+    """Block d's first `send_sizes[d]` rows to device d, written there into block `me` (this device's index);
+    block s here receives `recv_sizes[s]` rows from device s. One ragged all-to-all of the flattened blocks."""
+    n, C = blocks.shape[:2]
+    flat = blocks.reshape(n * C, *blocks.shape[2:])
+    starts = jnp.arange(n, dtype=jnp.int32) * C  # block d begins at row d·C, here and on every device
+    there = jnp.full((n,), jax.lax.axis_index(axis) * C, jnp.int32)  # where this device's rows land on each
+    out = ragged_all_to_all(flat, jnp.zeros_like(flat), starts, send_sizes, there, recv_sizes, axis_name=axis)
+    return out.reshape(blocks.shape)
 
 
 def _repeat(body: Callable[[Array, Array], Array], trips: Array, max_trips: int, init: Array) -> Array:
