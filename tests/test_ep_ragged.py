@@ -219,16 +219,16 @@ def test_auto_and_dense_programs_for_cpu_hold_no_ragged_all_to_all():
 LAYER = moejax.MoEConfig.preset("qwen3_moe", hidden_size=256, num_experts=8, top_k=2, intermediate_size=128)
 
 
-def compile_ep(devices, platform: str, cfg: moejax.MoEConfig = LAYER, tokens: int = 8, impl: str = "reference") -> dict:
-    """Compile `moe_forward` in all_to_all mode (transport "auto") over `devices` for `platform`, bf16 weights and
-    x split over the expert axis: compile seconds, ragged all-to-alls in the compiled HLO (TPU: synchronous ops,
-    CUDA: start/done pairs), and `memory_analysis` per device."""
+def compile_ep(devices, platform: str, cfg=LAYER, tokens: int = 8, impl: str = "reference", transport="auto") -> dict:
+    """Compile `moe_forward` in all_to_all mode over `devices` for `platform`, bf16 weights and x split over the
+    expert axis: compile seconds, ragged all-to-alls in the compiled HLO (TPU: synchronous ops, CUDA: start/done
+    pairs), and `memory_analysis` per device. (docs/notes-ragged.md calls it at full size.)"""
     mesh = Mesh(np.array(devices), ("expert",))
     params = jax.eval_shape(lambda k: moejax.init_params(cfg, k, jnp.bfloat16, layout="stacked"), jax.random.key(0))
     place = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
     params = jax.tree.map(place, params, moejax.sharding.partition_specs(cfg))
     x = jax.ShapeDtypeStruct((tokens, cfg.hidden_size), jnp.bfloat16, sharding=NamedSharding(mesh, P("expert")))
-    dispatch = D.EPAllToAll(mesh)
+    dispatch = D.EPAllToAll(mesh, transport=transport)
     fn = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl=impl, dispatch=dispatch))
     start = time.perf_counter()
     compiled = fn.trace(params, x).lower(lowering_platforms=(platform,)).compile()
