@@ -198,17 +198,21 @@ def test_ragged_transport_equals_the_dense_one_and_the_psum_mode(monkeypatch):
 
 def test_auto_and_dense_programs_for_cpu_hold_no_ragged_all_to_all():
     """What the equality test cannot see: the program "auto" builds for CPU moves whole blocks (XLA:CPU could not
-    run a ragged all-to-all), and an explicit "ragged" holds one; an unknown transport is refused."""
+    run a ragged all-to-all), also its gradient (the choice is differentiable), and an explicit "ragged" holds
+    one; an unknown transport is refused."""
     mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2])
     params = shard_params(moejax.init_params(CFG, jax.random.key(0)), CFG, mesh)
     x = jnp.zeros((4, CFG.hidden_size))
     texts = {}
     for transport in ("auto", "ragged", "dense"):
         dispatch = D.expert_parallel("all_to_all", mesh, transport=transport)
-        fn = jax.jit(lambda p, x, d=dispatch: moejax.moe_forward(p, x, CFG, impl="xla", dispatch=d))
+        fn = jax.jit(lambda p, x, d=dispatch: moejax.moe_forward(p, x, CFG, impl=IMPL, dispatch=d))
         texts[transport] = fn.lower(params, x).as_text()
-    assert "ragged_all_to_all" not in texts["auto"] and "all_to_all" in texts["auto"]
-    assert "ragged_all_to_all" not in texts["dense"]
+        if transport == "auto":
+            grad = jax.jit(jax.grad(lambda p, x, f=fn: f(p, x).sum(), argnums=1))
+            texts["grad"] = grad.lower(params, x).as_text()
+    for name in ("auto", "dense", "grad"):
+        assert "ragged_all_to_all" not in texts[name] and "all_to_all" in texts[name], name
     assert "ragged_all_to_all" in texts["ragged"]
     with pytest.raises(ValueError, match="transport='nccl'"):
         D.EPAllToAll(mesh, transport="nccl")

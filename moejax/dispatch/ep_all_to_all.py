@@ -4,7 +4,7 @@ computes the pairs of its own experts on what it received, P pairs at a time, an
 Buffers hold `capacity_factor` times the load of uniform routing; a heavier load runs more rounds or chunks (no
 row is dropped). docs/DESIGN.md explains the sizes.
 
-The transport (`exchange`): the rows for each device are compacted at the front of its block of C, so a ragged
+The transport (`_exchange`): the rows for each device are compacted at the front of its block of C, so a ragged
 all-to-all (`jax.lax.ragged_all_to_all`) sends just them, and just their partial sums back; XLA:CPU has no
 ragged all-to-all (jax 0.10.2: "HLO opcode `ragged-all-to-all` is not supported"), where `jax.lax.all_to_all`
 moves the whole blocks. `transport="auto"` picks by the platform the program is lowered for: ragged on TPU and
