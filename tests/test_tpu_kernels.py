@@ -97,3 +97,63 @@ def test_int8_decode_matches_the_reference():
     args = (x, gate, up, down, indices, weights)
     got = jax.jit(lambda *a: tpu_decode.moe_tpu_decode(*a, interpret=True))(*args)
     assert_close_quantized(got, tpu_decode.moe_tpu_decode_reference(*args))
+
+
+def _quantized_case(fmt, *, T, K, E, H, I, ids, bias=False, scale=False, seed=0, **options):
+    experts = random_experts(fmt, E=E, H=H, I=I, bias=bias, seed=seed, **options)
+    gate, up, down = kernel_plans.quantized_weights("test", experts)
+    rng = np.random.default_rng(seed + 1)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    # distinct ids per row, as top-k gives (grouped scales each pair on its own, the reference each expert's row)
+    indices = jnp.asarray(np.stack([rng.permutation(ids)[:K] for _ in range(T)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (T, K)), jnp.float32)
+    in_scale = jnp.asarray(rng.uniform(0.5, 1.5, (T, K)), jnp.float32) if scale else None
+    kw = {}
+    if bias:
+        kw = dict(gate_bias=experts.gate_bias, up_bias=experts.up_bias, down_bias=experts.down_bias)
+        kw["activation"] = GatedActivation("gpt_oss", limit=7.0)
+    return (x, gate, up, down, indices, weights, in_scale), kw
+
+
+QUANTIZED_DECODE = {
+    # int4 asymmetric groups of 32: two contraction steps and two column blocks in gate/up, four in down; T=3 odd,
+    # E=3, id 3 (= E) skipped.
+    "int4": (dict(fmt="int4", group_size=32, symmetric=False, T=3, K=2, E=3, H=512, I=256, ids=4), (256, 128, 256, 128)),
+    # DeepSeek FP8: H=200, I=96 (partial 128-blocks: a last group of 72 rows), input scales, T=1 over 5 experts.
+    "fp8_block": (dict(fmt="fp8_block", T=1, K=3, E=5, H=200, I=96, ids=5, scale=True), None),
+    # gpt-oss MXFP4 with biases and its activation: two steps of two 256-code-row chunks each in gate/up.
+    "mxfp4": (dict(fmt="mxfp4", T=2, K=2, E=3, H=2048, I=128, ids=3, bias=True), (1024, 128, 128, 1024)),
+    # NVFP4 (e4m3 scales per 16, scale2 per expert): T=5, E=6, I=512 in one down step.
+    "nvfp4": (dict(fmt="nvfp4", T=5, K=2, E=6, H=256, I=512, ids=6), None),
+}
+
+
+@pytest.mark.parametrize("label", list(QUANTIZED_DECODE))
+def test_quantized_decode_matches_the_reference(label):
+    """Every quantized kind dequantized in VMEM (bf16 MXU, float32 accumulation) against the reference of the same
+    rounding (`dense_reference`: each expert dequantized to float32, rounded to bf16)."""
+    case, blocks = QUANTIZED_DECODE[label]
+    args, kw = _quantized_case(**case)
+    if blocks:
+        kw["block_sizes"] = tpu_decode.TpuDecodeBlockSizes(*blocks, 32 << 20)
+    got = jax.jit(lambda *a: tpu_decode.moe_tpu_decode(*a, interpret=True, **kw))(*args)
+    assert_close_quantized(got, tpu_decode.moe_tpu_decode_reference(*args, **kw))
+
+
+def test_int8_grouped_matches_the_reference():
+    """int8 prefill on the tile kernels: T=13 odd over E=5, I=384 in clipped 256-column blocks, input scales,
+    8-row tiles (several per expert, 26 pairs), a skipped id."""
+    args, kw = _quantized_case("int8", group_size=128, T=13, K=2, E=5, H=256, I=384, ids=6, scale=True)
+    tiles = tpu_decode.TpuDecodeBlockSizes(256, 256, 384, 256, 32 << 20)
+    bs = tpu_grouped.TpuGroupedBlockSizes((8, 128, 128), (8, 128, 128), tiles)
+    got = jax.jit(lambda *a: tpu_grouped.moe_tpu_grouped(*a, block_sizes=bs, interpret=True))(*args)
+    assert_close_quantized(got, tpu_grouped.moe_tpu_grouped_reference(*args))
+
+
+def test_e4m3_decodes_directly_as_through_float16():
+    """The TPU kernels' e4m3 decoding (straight to float32) equals the shared one (through float16) on every
+    byte, NaNs included."""
+    from pallas_kernels.codecs import e4m3_to_f32
+
+    codes = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(e4m3_to_f32(codes, direct=True)), np.asarray(e4m3_to_f32(codes)))
