@@ -52,16 +52,17 @@ LAYERS = {
     ),
 }
 # label: (layer, T, impl, weights). weights: "bfloat16", "float32" or a quantized format's name.
+QUANTIZED = ("int8", "int4", "fp8_block", "mxfp4", "nvfp4")
 CASES = {
     f"{short}-T{T}-{impl}{'' if w == 'bfloat16' else '-' + w}": (layer, T, impl, w)
     for short, layer in (("qwen3", "qwen3-30b-a3b"), ("gptoss", "gpt-oss-120b"), ("dsv3", "deepseek-v3"))
     for T in (1, 8, 2048)
     for impl in ("pallas", "xla", "ragged")
-    for w in ("bfloat16", "int8")
+    for w in ("bfloat16", *QUANTIZED)
     if not (impl == "ragged" and (T <= 8 or w != "bfloat16"))  # ragged: prefill, dense weights
-    and not (impl == "pallas" and w != "bfloat16" and T > 8)  # the TPU grouped kernel reads bf16/f32 weights
+    and not (impl == "xla" and w not in ("bfloat16", "int8"))  # the XLA plans: one quantized kind for reference
     and not (layer == "deepseek-v3" and w == "bfloat16")  # 22.5 GB of bf16 experts: over one chip's HBM
-    and not (layer == "gpt-oss-120b" and w == "int8")  # groups of 128 do not divide 2880
+    and not (layer == "gpt-oss-120b" and w in ("int8", "int4"))  # groups of 128 do not divide 2880
 }
 # What CI compiles (tests/test_tpu_compile.py): both kernels, ragged_dot and one XLA plan, on small-but-real
 # shapes, in about 30 s on 2 cores.
@@ -166,29 +167,39 @@ def compile_ep(cfg: moejax.MoEConfig, T: int, mode: str, impl: str, chip_name: s
 
 
 def kernel_vmem(cfg: moejax.MoEConfig, T: int, weights: str, device_kind: str) -> dict:
-    """The TPU kernels' tiles for this layer and chip, and the VMEM they take (double-buffered inputs and
-    outputs plus float32 accumulators, the larger of the two kernels), next to the scoped limit Mosaic gets."""
-    from pallas_kernels import TpuDecodeBlockSizes, TpuGroupedBlockSizes
-    from pallas_kernels.tpu_decode import vmem_limit
+    """The TPU kernels' tiles for this layer and chip, and an estimate of the VMEM they take (double-buffered
+    inputs and outputs plus float32 accumulators, the larger of the two kernels; quantized tiles: codes and scale
+    rows, plus the float32/bf16 temporaries of one 256-row decoded chunk), next to the scoped limit Mosaic gets."""
+    from moejax.backends.pallas import quantized_weights
+    from pallas_kernels import TpuGroupedBlockSizes
+    from pallas_kernels.tpu_tiles import TpuTileBlockSizes, quant_pair, vmem_limit
 
     H, I, K = cfg.hidden_size, cfg.intermediate_size, cfg.top_k
-    item = 1 if weights == "int8" else jnp.dtype(weights).itemsize
-    if T <= 8:
-        groups = (128, 128) if weights == "int8" else None
-        b = TpuDecodeBlockSizes.default(
-            H, I, jnp.dtype("bfloat16" if weights == "int8" else weights), device_kind, groups
-        )
-        gate_up = 2 * (2 * b.block_h * b.block_i * item + 8 * b.block_h * 2 + 8 * b.block_i * 2) + 2 * 8 * b.block_i * 4
-        down = 2 * (b.block_i_down * b.block_h_down * item + 8 * b.block_i_down * 2 + 8 * b.block_h_down * 4)
-        tiles, used = (
-            (b.block_h, b.block_i, b.block_i_down, b.block_h_down),
-            max(gate_up, down + 8 * b.block_h_down * 4),
-        )
-    else:
-        b = TpuGroupedBlockSizes.default(T * K, H, I, jnp.dtype(weights), device_kind)
-        tiles = (b.gate_up, b.down)
-        used = max(2 * (tm * tk + tk * tn) * item + 3 * tm * tn * 4 for tm, tk, tn in tiles)
-    return {"tiles": tiles, "vmem_bytes": int(used), "vmem_limit": vmem_limit(device_kind)}
+    quant, dtype = None, jnp.dtype(weights if weights in ("bfloat16", "float32") else "bfloat16")
+    if weights not in ("bfloat16", "float32"):
+        init = lambda k: moejax.init_params(cfg, k, jnp.bfloat16, fmt=format_by_name(weights), layout="stacked")
+        quant = quant_pair(*quantized_weights("vmem", jax.eval_shape(init, jax.random.key(0)).experts)[::2])
+    rows = 8 if T <= 8 else TpuGroupedBlockSizes.default(T * K, H, I, dtype, device_kind).gate_up[0]
+    if T > 8 and quant is None:  # megablox gmm
+        b = TpuGroupedBlockSizes.default(T * K, H, I, dtype, device_kind)
+        used = max(2 * (tm * tk + tk * tn) * dtype.itemsize + 3 * tm * tn * 4 for tm, tk, tn in (b.gate_up, b.down))
+        return {"tiles": (b.gate_up, b.down), "vmem_bytes": int(used), "vmem_limit": vmem_limit(device_kind)}
+    b = TpuTileBlockSizes.default(H, I, dtype, device_kind, quant, rows)
+
+    def weight(q, k: int, n: int) -> float:  # one buffer of one weight tile, and the decode temporaries
+        if q is None:
+            return k * n * dtype.itemsize, 0
+        scale_rows = -(-k // q.group) * (1 + q.has_zero)
+        return k * n * q.code_bytes + scale_rows * n * q.scale_itemsize, 256 * n * (4 + 4 + 2)
+
+    (gu, gu_tmp), (dn, dn_tmp) = (
+        weight(quant and quant[0], b.block_h, b.block_i),
+        weight(quant and quant[1], b.block_i_down, b.block_h_down),
+    )
+    gate_up = 2 * (2 * gu + rows * b.block_h * 2 + rows * b.block_i * 2) + 2 * rows * b.block_i * 4 + gu_tmp
+    down = 2 * (dn + rows * b.block_i_down * 2 + rows * b.block_h_down * 4) + rows * b.block_h_down * 4 + dn_tmp
+    tiles = (b.block_h, b.block_i, b.block_i_down, b.block_h_down)
+    return {"tiles": tiles, "vmem_bytes": int(max(gate_up, down)), "vmem_limit": vmem_limit(device_kind)}
 
 
 def problems(row: dict, impl: str) -> list[str]:

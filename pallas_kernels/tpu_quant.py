@@ -155,12 +155,14 @@ def quantized_dot(rows: Array, q: TpuQuant, refs: tuple) -> Array:
     for c0 in range(0, n_codes, chunk):
         c1 = min(c0 + chunk, n_codes)
         g0, g1 = c0 // rpg, -(-c1 // rpg)  # the chunk's scale rows
-        s = scale_to_f32(q.kind, scale_ref[g0:g1, :])
+        s = scale_ref[g0:g1, :]
+        # Mosaic TPU has no float16 vectors: e4m3 (FP8 codes, NVFP4 scales) straight to float32 (exact)
+        s = e4m3_to_f32(s, direct=True) if q.kind == "nvfp4" else scale_to_f32(q.kind, s)
         if scale2 is not None:
             s = s * scale2
         s = _per_code_row(s, rpg, c1 - c0)
         codes = codes_ref[c0:c1, :]
-        if q.kind == "fp8_block":  # Mosaic TPU has no float16 vectors: e4m3 straight to float32 (exact)
+        if q.kind == "fp8_block":
             values = [e4m3_to_f32(codes, direct=True)]
         else:
             zero = None if zero_ref is None else _per_code_row(zero_ref[g0:g1, :].astype(jnp.float32), rpg, c1 - c0)

@@ -86,6 +86,22 @@ def test_pallas_lowers_to_the_tpu_kernels_for_tpu(T):
     assert ("moe_tpu_decode_gate_up" in text) == (T <= 8)
 
 
+@pytest.mark.parametrize("T", [3, 40])
+def test_pallas_lowers_quantized_weights_to_the_tpu_kernels_for_tpu(T):
+    """impl="pallas" with int4 (asymmetric, groups of 32) weights in a program lowered for TPU: the Mosaic TPU
+    tile kernels of decode (T <= 8) and of the quantized grouped prefill (T > 8)."""
+    fmt = moejax.quantized.format_by_name("int4", group_size=32, symmetric=False)
+    cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=256, num_experts=6, top_k=2, intermediate_size=256)
+    init = lambda k: moejax.init_params(cfg, k, jnp.bfloat16, fmt=fmt, layout="stacked")
+    params = jax.eval_shape(init, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((T, 256), jnp.bfloat16)
+    f = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl="pallas"))
+    text = f.trace(params, x).lower(lowering_platforms=("tpu",)).as_text()
+    calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)", text)
+    assert calls.count("tpu_custom_call") == 2, calls
+    assert f"moe_tpu_{'decode' if T <= 8 else 'grouped'}_gate_up" in text
+
+
 def test_int8_decode_matches_the_reference():
     """int8 groups of 128 with zero points, dequantized in VMEM (bf16 MXU): two groups per contraction tile."""
     experts = random_experts("int8", E=3, H=256, I=128, group_size=128, symmetric=False)
@@ -118,7 +134,10 @@ def _quantized_case(fmt, *, T, K, E, H, I, ids, bias=False, scale=False, seed=0,
 QUANTIZED_DECODE = {
     # int4 asymmetric groups of 32: two contraction steps and two column blocks in gate/up, four in down; T=3 odd,
     # E=3, id 3 (= E) skipped.
-    "int4": (dict(fmt="int4", group_size=32, symmetric=False, T=3, K=2, E=3, H=512, I=256, ids=4), (256, 128, 256, 128)),
+    "int4": (
+        dict(fmt="int4", group_size=32, symmetric=False, T=3, K=2, E=3, H=512, I=256, ids=4),
+        (256, 128, 256, 128),
+    ),
     # DeepSeek FP8: H=200, I=96 (partial 128-blocks: a last group of 72 rows), input scales, T=1 over 5 experts.
     "fp8_block": (dict(fmt="fp8_block", T=1, K=3, E=5, H=200, I=96, ids=5, scale=True), None),
     # gpt-oss MXFP4 with biases and its activation: two steps of two 256-code-row chunks each in gate/up.
@@ -143,7 +162,7 @@ def test_quantized_decode_matches_the_reference(label):
 def test_int8_grouped_matches_the_reference():
     """int8 prefill on the tile kernels: T=13 odd over E=5, I=384 in clipped 256-column blocks, input scales,
     8-row tiles (several per expert, 26 pairs), a skipped id."""
-    args, kw = _quantized_case("int8", group_size=128, T=13, K=2, E=5, H=256, I=384, ids=6, scale=True)
+    args, _ = _quantized_case("int8", group_size=128, T=13, K=2, E=5, H=256, I=384, ids=6, scale=True)
     tiles = tpu_decode.TpuDecodeBlockSizes(256, 256, 384, 256, 32 << 20)
     bs = tpu_grouped.TpuGroupedBlockSizes((8, 128, 128), (8, 128, 128), tiles)
     got = jax.jit(lambda *a: tpu_grouped.moe_tpu_grouped(*a, block_sizes=bs, interpret=True))(*args)
