@@ -79,6 +79,22 @@ def block_aligned_layout(
     return pair_row, row_pair, tile_expert, tile_end[-1:].astype(jnp.int32)
 
 
+def block_aligned_rows(x: Array, in_scale: Array | None, row_pair: Array, num_slots: int, dtype) -> Array:
+    """The rows of the block-aligned layout `[R, H]` in `dtype`: row r holds the token of pair `row_pair[r]`
+    (`x [T, H]`, `num_slots` = K pairs per token) scaled by that pair's input scale (`in_scale [T, K]` or None);
+    padding rows (`row_pair >= T·K`) are zero. Shared with the Mosaic TPU grouped op (tpu_grouped.py)."""
+    T, H = x.shape
+    M = T * num_slots
+    padding = row_pair >= M
+    token_of_row = jnp.where(padding, T, row_pair // num_slots)  # row T of x_ext is zeros
+    if in_scale is None:
+        x_ext = jnp.concatenate([x.astype(dtype), jnp.zeros((1, H), dtype)])
+        return x_ext[token_of_row]
+    x_ext = jnp.concatenate([x.astype(jnp.float32), jnp.zeros((1, H), jnp.float32)])
+    scale = jnp.where(padding, 0.0, in_scale.reshape(-1).astype(jnp.float32)[jnp.minimum(row_pair, M - 1)])
+    return (x_ext[token_of_row] * scale[:, None]).astype(dtype)
+
+
 @interpret_by_platform
 @moe_op
 def moe_grouped(p: MoEProblem, *, block_sizes: GroupedBlockSizes | None = None, interpret: bool | None = None) -> Array:
@@ -87,20 +103,10 @@ def moe_grouped(p: MoEProblem, *, block_sizes: GroupedBlockSizes | None = None, 
     T, H, E, _, K = p.dims
     dtype = compute_dtype(p.gate)  # bf16 for quantized weights
     bs = block_sizes or GroupedBlockSizes.for_problem(p, interpret)
-    M = T * K
 
     pair_row, row_pair, tile_expert, num_tiles = block_aligned_layout(p.indices, E)
     padded = pad_problem(p, bs)
-    hidden = padded.x.shape[1]
-    padding = row_pair >= M
-    token_of_row = jnp.where(padding, T, row_pair // K)  # row T of x_ext is zeros
-    if p.in_scale is None:
-        x_ext = jnp.concatenate([padded.x.astype(dtype), jnp.zeros((1, hidden), dtype)])
-        rows = x_ext[token_of_row]  # [R, H]
-    else:
-        x_ext = jnp.concatenate([padded.x.astype(jnp.float32), jnp.zeros((1, hidden), jnp.float32)])
-        scale = jnp.where(padding, 0.0, p.in_scale.reshape(-1).astype(jnp.float32)[jnp.minimum(row_pair, M - 1)])
-        rows = (x_ext[token_of_row] * scale[:, None]).astype(dtype)
+    rows = block_aligned_rows(padded.x, p.in_scale, row_pair, K, dtype)  # [R, H]
     tile_block = jnp.arange(tile_expert.shape[0], dtype=jnp.int32)
     y = tiles_ffn(rows, padded, (tile_expert, tile_block, num_tiles), bs, TILE_ROWS, interpret)
     per_pair = y[jnp.minimum(pair_row, y.shape[0] - 1), :H]  # [M, H]; rows of ids outside are masked below

@@ -37,7 +37,7 @@ from jax.experimental.pallas.ops.tpu.megablox import gmm
 
 from pallas_kernels import tpu_tiles
 from pallas_kernels.expert_tiles import round_up
-from pallas_kernels.grouped import block_aligned_layout
+from pallas_kernels.grouped import block_aligned_layout, block_aligned_rows
 from pallas_kernels.moe_op import MoEProblem, combine_slots, compute_dtype, moe_op, moe_reference
 from pallas_kernels.tpu_quant import TpuQuant, reorder_for
 from pallas_kernels.tpu_tiles import (
@@ -164,19 +164,13 @@ def _dense_grouped(p: MoEProblem, bs: TpuGroupedBlockSizes, interpret: bool) -> 
 def _quantized_grouped(p: MoEProblem, quant, bs: TpuGroupedBlockSizes, device_kind, interpret: bool) -> Array:
     """Quantized weights on the tile kernels (module docstring, second path)."""
     T, H, E, I, K = p.dims
-    M, tm, dtype = T * K, bs.gate_up[0], compute_dtype(p.gate)
+    tm, dtype = bs.gate_up[0], compute_dtype(p.gate)
     tiles = bs.tiles or TpuTileBlockSizes.default(H, I, dtype, device_kind, quant, tm)
     tiles.check(H, I, quant)
     pair_row, row_pair, tile_expert, num_tiles = block_aligned_layout(p.indices, E, tm)
     R = row_pair.shape[0]
-    padding = row_pair >= M
-    token_of_row = jnp.where(padding, T, row_pair // K)  # row T of x_ext is zeros
-    x_ext = jnp.concatenate([p.x.astype(jnp.float32), jnp.zeros((1, H), jnp.float32)])
-    rows = x_ext[token_of_row]  # [R, H]
-    if p.in_scale is not None:
-        scale = jnp.where(padding, 0.0, p.in_scale.reshape(-1).astype(jnp.float32)[jnp.minimum(row_pair, M - 1)])
-        rows = rows * scale[:, None]
-    rows = reorder_for(quant[0], rows.astype(dtype), tiles.block_h).reshape(R // tm, tm, H)
+    rows = block_aligned_rows(p.x, p.in_scale, row_pair, K, dtype)  # [R, H]
+    rows = reorder_for(quant[0], rows, tiles.block_h).reshape(R // tm, tm, H)
     tables = (tile_expert, num_tiles)
     gu_bias = () if p.gate_bias is None else (p.gate_bias[:, None], p.up_bias[:, None])  # [E, 1, I]
     run = dict(scales_by_tile=False, interpret=interpret)
