@@ -5,6 +5,7 @@ measured in the same run).
     python benchmarks/tpu_bench.py                        # on a TPU: checks + full table
     python benchmarks/tpu_bench.py --append-validated     # ... and record passing kernels in validated.json
     python benchmarks/tpu_bench.py --smoke                # tiny shapes; on CPU the kernels run interpreted
+    python benchmarks/tpu_bench.py --formats int8 int4 fp8_block mxfp4 nvfp4   # ... and the quantized kernels
 
 The measurement is gpu_bench.py's (kernel_bench.py: same layers, same `repeated` programs, same table): "pallas" is
 `moejax.backends.pallas`, whose kernels lower to the Mosaic TPU ones on a TPU (`pallas_kernels/tpu_decode.py`,
