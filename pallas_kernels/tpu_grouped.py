@@ -15,8 +15,9 @@ groups are never visited):
    outside, and slots of weight 0, contribute exactly 0). The activation runs in XLA between the products (h makes
    one round trip through HBM: `T·K·I` elements, small next to the weights at prefill sizes).
 
-Quantized weights (every `QuantizedWeight` kind) through the tile kernels of tpu_tiles.py, which dequantize each
-weight tile in VMEM (bf16 MXU, float32 accumulation) and fuse the activation into the gate/up kernel:
+Quantized weights (every `QuantizedWeight` kind), and dense ones when `TpuGroupedBlockSizes.tiles` is given, through
+the tile kernels of tpu_tiles.py, which dequantize each weight tile in VMEM (bf16 MXU, float32 accumulation) and fuse
+the activation into the gate/up kernel (h written once, in the multiply dtype):
 
 1. The block-aligned tile table of grouped.py (`block_aligned_layout`, in tiles of `tm` rows): every tile holds
    rows of one expert; the rows gathered into it (scaled; padding rows zero).
@@ -65,7 +66,9 @@ class TpuGroupedBlockSizes:
 
     gate_up: tuple[int, int, int]
     down: tuple[int, int, int]
-    tiles: TpuTileBlockSizes | None = None  # quantized weights: the tile kernels' tiles (rows: gate_up's tm)
+    # The tile kernels' tiles (rows: gate_up's tm): quantized weights always run them (default tiles when None);
+    # dense weights run them, with the activation fused into the gate/up kernel, only when these are given.
+    tiles: TpuTileBlockSizes | None = None
 
     def __post_init__(self) -> None:
         for name in ("gate_up", "down"):
@@ -121,8 +124,8 @@ def moe_tpu_grouped(
     T, H, _, I, K = p.dims
     quant = quant_pair(p.gate, p.down)
     bs = block_sizes or TpuGroupedBlockSizes.default(T * K, H, I, compute_dtype(p.gate), device_kind, quant)
-    if quant is not None:
-        return _quantized_grouped(p, quant, bs, device_kind, interpret)
+    if quant is not None or bs.tiles is not None:
+        return _tiled_grouped(p, quant, bs, device_kind, interpret)
     return _dense_grouped(p, bs, interpret)
 
 
@@ -161,8 +164,8 @@ def _dense_grouped(p: MoEProblem, bs: TpuGroupedBlockSizes, interpret: bool) -> 
     return combine_slots(per_pair.reshape(T, K, H), indices, weights, E)
 
 
-def _quantized_grouped(p: MoEProblem, quant, bs: TpuGroupedBlockSizes, device_kind, interpret: bool) -> Array:
-    """Quantized weights on the tile kernels (module docstring, second path)."""
+def _tiled_grouped(p: MoEProblem, quant, bs: TpuGroupedBlockSizes, device_kind, interpret: bool) -> Array:
+    """Quantized weights, or dense ones given `bs.tiles`, on the tile kernels (module docstring, second path)."""
     T, H, E, I, K = p.dims
     tm, dtype = bs.gate_up[0], compute_dtype(p.gate)
     tiles = bs.tiles or TpuTileBlockSizes.default(H, I, dtype, device_kind, quant, tm)
@@ -170,14 +173,14 @@ def _quantized_grouped(p: MoEProblem, quant, bs: TpuGroupedBlockSizes, device_ki
     pair_row, row_pair, tile_expert, num_tiles = block_aligned_layout(p.indices, E, tm)
     R = row_pair.shape[0]
     rows = block_aligned_rows(p.x, p.in_scale, row_pair, K, dtype)  # [R, H]
-    rows = reorder_for(quant[0], rows, tiles.block_h).reshape(R // tm, tm, H)
+    rows = reorder_for(quant and quant[0], rows, tiles.block_h).reshape(R // tm, tm, H)
     tables = (tile_expert, num_tiles)
     gu_bias = () if p.gate_bias is None else (p.gate_bias[:, None], p.up_bias[:, None])  # [E, 1, I]
     run = dict(scales_by_tile=False, interpret=interpret)
     h = tpu_tiles.gate_up(
         rows, None, p.gate, p.up, gu_bias, tables, p.activation, dtype, tiles, name="moe_tpu_grouped_gate_up", **run
     )  # [tiles, tm, I]
-    h = reorder_for(quant[1], h, tiles.block_i_down)
+    h = reorder_for(quant and quant[1], h, tiles.block_i_down)
     d_bias = () if p.down_bias is None else (p.down_bias[:, None],)  # [E, 1, H]
     y = tpu_tiles.down(h, p.down, d_bias, tables, tiles, name="moe_tpu_grouped_down", **run).reshape(R, H)
     per_pair = y[jnp.minimum(pair_row, R - 1)]  # [M, H]; rows of ids outside are masked by combine_slots

@@ -168,6 +168,19 @@ def test_quantized_grouped_matches_the_reference():
     assert_close_quantized(got, tpu_grouped.moe_tpu_grouped_reference(*args))
 
 
+def test_dense_grouped_on_the_tile_kernels_matches_the_reference():
+    """Dense float32 prefill on the tile kernels (activation fused into gate/up) when tiles are given: H=320 and
+    I=192 in 128-blocks (masked partial contraction blocks, clipped columns), T=9 over E=3, gpt-oss biases, 1e-5."""
+    T, K, E, H, I = 9, 2, 3, 320, 192
+    x, gate, up, down, indices, weights, _ = random_case(5, T=T, K=K, E=E, H=H, I=I, dtype=jnp.float32)
+    kw = dict(activation=GatedActivation("gpt_oss", limit=7.0), **_biases(6, E, H, I, jnp.float32))
+    tiles = tpu_decode.TpuDecodeBlockSizes(128, 128, 128, 128, 32 << 20)
+    bs = tpu_grouped.TpuGroupedBlockSizes((8, 128, 128), (8, 128, 128), tiles)
+    args = (x, gate, up, down, indices, weights)
+    got = jax.jit(lambda *a: tpu_grouped.moe_tpu_grouped(*a, block_sizes=bs, interpret=True, **kw))(*args)
+    assert_close(got, tpu_grouped.moe_tpu_grouped_reference(*args, **kw), jnp.float32)
+
+
 def test_e4m3_decodes_directly_as_through_float16():
     """The TPU kernels' e4m3 decoding (straight to float32) equals the shared one (through float16) on every
     byte, NaNs included."""
