@@ -10,7 +10,8 @@ Decode is bound by weight reads: each expert chosen by any row must be read once
    Each union expert's row scales `row_scale [M, 8, 1]` (Llama-4's input scales summed per row), without them
    the rows are cast once and shared by every tile.
 2. `tpu_tiles.gate_up` with one tile per union expert (all reading the same 8 padded rows) -> `h [M, 8, I]`;
-   `tpu_tiles.down` -> `y [M, 8, H]` float32. Union slots past `n_union` copy and compute nothing.
+   `tpu_tiles.down` -> `y [M, 8, H]` float32. Union slots past `n_union` copy and compute nothing. With
+   `TpuDecodeBlockSizes.fused_block_i`, one kernel instead (tpu_fused.py: h stays in VMEM).
 3. Row t takes `y[position of its slot k, t]` and sums its slots with their weights in slot order
    (`combine_slots`): a row's output does not depend on the rows beside it.
 
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 from pallas_kernels import tpu_tiles
 from pallas_kernels.decode import check_decode_rows, union_of_experts, union_row_scale
 from pallas_kernels.moe_op import MoEProblem, combine_slots, compute_dtype, moe_op, moe_reference
+from pallas_kernels.tpu_fused import fused_ffn
 from pallas_kernels.tpu_quant import reorder_for
 from pallas_kernels.tpu_tiles import (  # noqa: F401 (re-exported: the TPU kernels' shared names)
     TPU_DTYPES,
@@ -76,30 +78,47 @@ def moe_tpu_decode(
     bs.check(H, I, quant)
 
     union_ids, n_union, slot_position = union_of_experts(p.indices, E)
-    x8 = reorder_for(quant and quant[0], jnp.pad(p.x, ((0, _ROWS - T), (0, 0))), bs.block_h)  # [8, H]
+    fused = bs.fused_block_i is not None  # one kernel, contraction over the whole H
+    x8 = reorder_for(quant and quant[0], jnp.pad(p.x, ((0, _ROWS - T), (0, 0))), H if fused else bs.block_h)  # [8, H]
     if p.in_scale is None:
         row_scale, x8 = None, x8.astype(dtype)
     else:  # a row that picks an expert in two slots is scaled by their summed scales (as the models do)
         row_scale = jnp.pad(union_row_scale(p, slot_position), ((0, 0), (0, _ROWS - T)))[..., None]  # [M, 8, 1]
     tables = (union_ids, n_union.reshape(1))
-    gu_bias = () if p.gate_bias is None else (p.gate_bias[:, None], p.up_bias[:, None])  # [E, 1, I]
+    biases = () if p.gate_bias is None else tuple(b[:, None] for b in p.biases)  # [E, 1, I] x 2, [E, 1, H]
     run = dict(scales_by_tile=True, interpret=interpret)
-    h = tpu_tiles.gate_up(
-        x8[None],
-        row_scale,
-        p.gate,
-        p.up,
-        gu_bias,
-        tables,
-        p.activation,
-        dtype,
-        bs,
-        name="moe_tpu_decode_gate_up",
-        **run,
-    )  # [M, 8, I]
-    h = reorder_for(quant and quant[1], h, bs.block_i_down)
-    d_bias = () if p.down_bias is None else (p.down_bias[:, None],)  # [E, 1, H]
-    y = tpu_tiles.down(h, p.down, d_bias, tables, bs, name="moe_tpu_decode_down", **run)  # [M, 8, H]
+    if fused:
+        y = fused_ffn(
+            x8[None],
+            row_scale,
+            p.gate,
+            p.up,
+            p.down,
+            biases,
+            tables,
+            p.activation,
+            dtype,
+            bs.fused_block_i,
+            bs.vmem_limit_bytes,
+            name="moe_tpu_decode_ffn",
+            **run,
+        )  # [M, 8, H]
+    else:
+        h = tpu_tiles.gate_up(
+            x8[None],
+            row_scale,
+            p.gate,
+            p.up,
+            biases[:2],
+            tables,
+            p.activation,
+            dtype,
+            bs,
+            name="moe_tpu_decode_gate_up",
+            **run,
+        )  # [M, 8, I]
+        h = reorder_for(quant and quant[1], h, bs.block_i_down)
+        y = tpu_tiles.down(h, p.down, biases[2:], tables, bs, name="moe_tpu_decode_down", **run)  # [M, 8, H]
     per_slot = y[slot_position, jnp.arange(T)[:, None]]  # [T, K, H]
     return combine_slots(per_slot, p.indices, p.weights, E)
 

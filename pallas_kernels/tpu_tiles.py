@@ -85,6 +85,34 @@ def block_along(dim: int, limit: int, step: int = 128, *, partial: bool = False)
     return dim
 
 
+def _weight_bytes(q: TpuQuant | None, k: int, n: int, itemsize: int) -> float:
+    """HBM/VMEM bytes of one `[k, n]` weight tile (codes and scale rows)."""
+    if q is None:
+        return k * n * itemsize
+    return k * n * q.code_bytes + -(-k // q.group) * n * q.scale_itemsize * (1 + q.has_zero)
+
+
+def fused_block_i(
+    hidden: int, inter: int, rows: int, itemsize: int, quant: tuple[TpuQuant, TpuQuant] | None, vmem_bytes: int
+) -> int | None:
+    """The widest I block (at most 512; quantized: whole down groups dividing I) for which the fused kernel's VMEM
+    (double-buffered gate, up and down tiles and rows, the `[rows, H]` accumulator and output, one decoded chunk)
+    stays within half of `vmem_bytes`; None where none does (then the two kernels of tpu_tiles.py)."""
+    q_gu, q_d = quant or (None, None)
+    step = 128 if q_d is None else q_d.step
+    fixed = 2 * rows * hidden * 2 + 3 * rows * hidden * 4 + 256 * hidden * 10
+    for block in range(min(inter, 512) // step * step, 0, -step):
+        if q_d is not None and inter % block:
+            continue
+        tiles = 2 * _weight_bytes(q_gu, hidden, block, itemsize) + _weight_bytes(q_d, block, hidden, itemsize)
+        if 2 * tiles + fixed + 3 * rows * block * 4 + 2 * block * block <= vmem_bytes // 2:
+            return block
+    whole = 2 * _weight_bytes(q_gu, hidden, inter, itemsize) + _weight_bytes(q_d, inter, hidden, itemsize)
+    if inter < step and 2 * whole + fixed + 3 * rows * inter * 4 <= vmem_bytes // 2:
+        return inter
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class TpuTileBlockSizes:
     """Tiles of the two tile kernels: gate/up `[block_h, block_i]`, down `[block_i_down, block_h_down]`, and the
@@ -96,9 +124,12 @@ class TpuTileBlockSizes:
     block_i_down: int
     block_h_down: int
     vmem_limit_bytes: int
+    fused_block_i: int | None = None  # set: the fused kernel (tpu_fused.py) over I blocks of this width
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
+            if f.name == "fused_block_i" and self.fused_block_i is None:
+                continue
             if not isinstance(getattr(self, f.name), int) or getattr(self, f.name) <= 0:
                 raise ValueError(
                     f"{type(self).__name__}.{f.name} must be a positive int, got {getattr(self, f.name)!r}"
@@ -113,11 +144,13 @@ class TpuTileBlockSizes:
         device_kind: str | None = None,
         quant: tuple[TpuQuant, TpuQuant] | None = None,
         rows: int = 8,
+        fused: bool = False,
     ) -> TpuTileBlockSizes:
         """Tiles as large as a quarter of the scoped VMEM allows for the double-buffered weight tiles (gate and
         up: two per step) and `rows` activation rows, output columns at most 512 wide: long contiguous HBM reads,
         few grid steps. `quant`: the quantized projections (gate/up, down); contraction tiles then hold whole
-        groups (`TpuQuant.step`) and divide their dimension."""
+        groups (`TpuQuant.step`) and divide their dimension. `fused`: the fused kernel's I block where its tiles
+        fit VMEM (`fused_block_i`), else the two kernels."""
         limit = vmem_limit(device_kind)
         budget = limit // 4
         if quant is None:
@@ -133,7 +166,8 @@ class TpuTileBlockSizes:
         block_h_down = block_along(hidden, 512, partial=True)
         per_i = 2 * block_h_down * item_d + 2 * rows * 2
         block_i_down = block_along(inter, max(step_i, int(budget // per_i)), step_i, partial=dense)
-        return cls(block_h, block_i, block_i_down, block_h_down, limit)
+        fused_i = fused_block_i(hidden, inter, rows, jnp.dtype(dtype).itemsize, quant, limit) if fused else None
+        return cls(block_h, block_i, block_i_down, block_h_down, limit, fused_i)
 
     def check(self, hidden: int, inter: int, quant: tuple[TpuQuant, TpuQuant] | None = None) -> None:
         """`ValueError` unless every tile is its whole dimension or a multiple of 128 below it (a last partial
@@ -150,6 +184,11 @@ class TpuTileBlockSizes:
         if quant is not None:
             quant[0].check(f"{type(self).__name__}.block_h", hidden, self.block_h)
             quant[1].check(f"{type(self).__name__}.block_i_down", inter, self.block_i_down)
+        b = self.fused_block_i
+        if b is not None and b != inter and (b % 128 or b > inter):
+            raise ValueError(f"{type(self).__name__}.fused_block_i={b} must be {inter} or a multiple of 128 below it")
+        if b is not None and quant is not None:
+            quant[1].check(f"{type(self).__name__}.fused_block_i", inter, b)
 
 
 def _real_tile(t, k, n_k, n_ref):

@@ -181,6 +181,30 @@ def test_dense_grouped_on_the_tile_kernels_matches_the_reference():
     assert_close(got, tpu_grouped.moe_tpu_grouped_reference(*args, **kw), jnp.float32)
 
 
+def test_fused_decode_matches_the_reference():
+    """The fused kernel (gate/up, activation and down in one, h in VMEM): float32, I=192 in 128-blocks (a masked
+    partial last block), H=320 whole, skipped ids, gpt-oss biases and activation, input scales: 1e-5."""
+    T, K, E, H, I = 3, 2, 3, 320, 192
+    x, gate, up, down, indices, weights, scale = random_case(
+        7, T=T, K=K, E=E, H=H, I=I, dtype=jnp.float32, id_range=E + 1, scale=True
+    )
+    kw = dict(activation=GatedActivation("gpt_oss", limit=7.0), **_biases(8, E, H, I, jnp.float32))
+    blocks = tpu_decode.TpuDecodeBlockSizes(H, 128, I, 128, 32 << 20, fused_block_i=128)
+    args = (x, gate, up, down, indices, weights, scale)
+    got = jax.jit(lambda *a: tpu_decode.moe_tpu_decode(*a, block_sizes=blocks, interpret=True, **kw))(*args)
+    assert_close(got, tpu_decode.moe_tpu_decode_reference(*args, **kw), jnp.float32)
+
+
+def test_fused_quantized_grouped_matches_the_reference():
+    """The fused kernel on int4 groups of 32 (the down weights' [even | odd] columns of h permuted in VMEM), two
+    I blocks, T=11 over E=5 in 8-row tiles."""
+    args, _ = _quantized_case("int4", group_size=32, T=11, K=2, E=5, H=256, I=512, ids=5)
+    tiles = tpu_decode.TpuDecodeBlockSizes(256, 256, 512, 256, 32 << 20, fused_block_i=256)
+    bs = tpu_grouped.TpuGroupedBlockSizes((8, 128, 128), (8, 128, 128), tiles)
+    got = jax.jit(lambda *a: tpu_grouped.moe_tpu_grouped(*a, block_sizes=bs, interpret=True))(*args)
+    assert_close_quantized(got, tpu_grouped.moe_tpu_grouped_reference(*args))
+
+
 def test_e4m3_decodes_directly_as_through_float16():
     """The TPU kernels' e4m3 decoding (straight to float32) equals the shared one (through float16) on every
     byte, NaNs included."""
