@@ -10,6 +10,7 @@ the chip's HBM. (`cost_analysis()` is not used: it counts a loop body once.)
 
     python benchmarks/tpu_compile.py                      # every case, v5e and v6e
     python benchmarks/tpu_compile.py --chips v5e qwen3-T1-pallas --json out.json
+    python benchmarks/tpu_compile.py --fused qwen3-T1-pallas-int4   # the routed experts on the fused kernel
 
 tests/test_tpu_compile.py compiles a subset (`CI_CASES`) of this table.
 """
@@ -202,6 +203,47 @@ def kernel_vmem(cfg: moejax.MoEConfig, T: int, weights: str, device_kind: str) -
     return {"tiles": tiles, "vmem_bytes": int(max(gate_up, down)), "vmem_limit": vmem_limit(device_kind)}
 
 
+def compile_fused(cfg: moejax.MoEConfig, T: int, weights: str, chip_name: str) -> dict:
+    """Compile the routed experts alone on the fused TPU kernel (`TpuTileBlockSizes.default(..., fused=True)`:
+    decode, or the tiled prefill) for one chip; `error` where it failed or the whole-H tiles do not fit."""
+    from moejax.backends.pallas import quantized_weights
+    from pallas_kernels import TpuDecodeBlockSizes, TpuGroupedBlockSizes, moe_tpu_decode, moe_tpu_grouped
+    from pallas_kernels.tpu_tiles import quant_pair
+
+    device, _ = chip(chip_name)
+    params, x = abstract_inputs(cfg, T, weights, device)
+    e = params.experts
+    w = quantized_weights("fused", e) if weights not in ("bfloat16", "float32") else (e.gate, e.up, e.down)
+    H, I, K, kind = cfg.hidden_size, cfg.intermediate_size, cfg.top_k, device.device_kind
+    quant, dtype = quant_pair(w[0], w[2]), jnp.dtype("bfloat16" if weights != "float32" else weights)
+    ids = jax.ShapeDtypeStruct((T, K), jnp.int32, sharding=x.sharding)
+    slot_w = jax.ShapeDtypeStruct((T, K), jnp.float32, sharding=x.sharding)
+    start = time.perf_counter()
+    try:
+        if T <= 8:
+            bs = TpuDecodeBlockSizes.default(H, I, dtype, kind, quant, fused=True)
+            fn = functools.partial(moe_tpu_decode, block_sizes=bs, device_kind=kind)
+        else:
+            g = TpuGroupedBlockSizes.default(T * K, H, I, dtype, kind, quant)
+            tiles = TpuDecodeBlockSizes.default(H, I, dtype, kind, quant, rows=g.gate_up[0], fused=True)
+            bs = TpuGroupedBlockSizes(g.gate_up, g.down, tiles)
+            fn = functools.partial(moe_tpu_grouped, block_sizes=bs, device_kind=kind)
+        if (bs.fused_block_i if T <= 8 else bs.tiles.fused_block_i) is None:
+            return {"chip": chip_name, "error": "the fused kernel's tiles do not fit VMEM"}
+        compiled = jax.jit(fn).lower(x, *w, ids, slot_w).compile()
+    except Exception as err:  # the table records any compiler error as the result
+        return {"chip": chip_name, "error": f"{type(err).__name__}: {str(err)[:400]}"}
+    mem = compiled.memory_analysis()
+    used = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+    return {
+        "chip": chip_name,
+        "compile_s": round(time.perf_counter() - start, 2),
+        "hbm_bytes": int(used),
+        "fused_block_i": bs.fused_block_i if T <= 8 else bs.tiles.fused_block_i,
+        "compiled_tpu_custom_calls": compiled.as_text().count('custom_call_target="tpu_custom_call"'),
+    }
+
+
 def problems(row: dict, impl: str) -> list[str]:
     """What is wrong with a compiled case: an error, HBM over the chip's, no Pallas TPU call for impl='pallas'."""
     if "error" in row:
@@ -220,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chips", nargs="+", default=list(CHIPS), choices=list(CHIPS))
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--ep", nargs="+", default=[], help=f"EP cases over 4 chips: {', '.join(EP_CASES)}")
+    parser.add_argument("--fused", action="store_true", help="pallas cases: the routed experts on the fused kernel")
     args = parser.parse_args(argv)
     unknown = [c for c in args.cases if c not in CASES] + [c for c in args.ep if c not in EP_CASES]
     if unknown:
@@ -242,7 +285,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row.get('compiled_tpu_custom_calls', '-'):>9}  {'; '.join(bad)[:300]}",
                 flush=True,
             )
-    for label in args.cases or ([] if args.ep else list(CASES)):
+    for label in args.cases if args.fused else []:
+        layer, T, _, weights = CASES[label]
+        for chip_name in args.chips:
+            row = {"case": f"{label}-fused", **compile_fused(LAYERS[layer], T, weights, chip_name)}
+            failed += "error" in row
+            rows.append(row)
+            print(
+                f"{label + '-fused':28} {chip_name:4} {row.get('compile_s', '-'):>9} "
+                f"{row.get('hbm_bytes', 0) / GiB:8.2f} {'-':>6} {row.get('compiled_tpu_custom_calls', '-'):>9}  "
+                f"{row.get('error', '')[:300] or 'block_i=' + str(row['fused_block_i'])}",
+                flush=True,
+            )
+    for label in [] if args.fused else args.cases or ([] if args.ep else list(CASES)):
         layer, T, impl, weights = CASES[label]
         for chip_name in args.chips:
             row = {"case": label, **compile_one(LAYERS[layer], T, impl, weights, chip_name)}

@@ -95,20 +95,21 @@ def _weight_bytes(q: TpuQuant | None, k: int, n: int, itemsize: int) -> float:
 def fused_block_i(
     hidden: int, inter: int, rows: int, itemsize: int, quant: tuple[TpuQuant, TpuQuant] | None, vmem_bytes: int
 ) -> int | None:
-    """The widest I block (at most 512; quantized: whole down groups dividing I) for which the fused kernel's VMEM
-    (double-buffered gate, up and down tiles and rows, the `[rows, H]` accumulator and output, one decoded chunk)
-    stays within half of `vmem_bytes`; None where none does (then the two kernels of tpu_tiles.py)."""
+    """The widest I block (at most 512 or one quantized step; quantized: whole down groups dividing I), else the
+    whole I, for which the fused kernel's VMEM (double-buffered gate, up and down tiles and rows, the `[rows, H]`
+    accumulator and output, one decoded chunk, 4-bit: h's permutation) stays within half of `vmem_bytes`; None
+    where none does (then the two kernels of tpu_tiles.py)."""
     q_gu, q_d = quant or (None, None)
     step = 128 if q_d is None else q_d.step
     fixed = 2 * rows * hidden * 2 + 3 * rows * hidden * 4 + 256 * hidden * 10
-    for block in range(min(inter, 512) // step * step, 0, -step):
+    for block in range(min(inter, max(512, step)) // step * step, 0, -step):
         if q_d is not None and inter % block:
             continue
         tiles = 2 * _weight_bytes(q_gu, hidden, block, itemsize) + _weight_bytes(q_d, block, hidden, itemsize)
         if 2 * tiles + fixed + 3 * rows * block * 4 + 2 * block * block <= vmem_bytes // 2:
             return block
     whole = 2 * _weight_bytes(q_gu, hidden, inter, itemsize) + _weight_bytes(q_d, inter, hidden, itemsize)
-    if inter < step and 2 * whole + fixed + 3 * rows * inter * 4 <= vmem_bytes // 2:
+    if 2 * whole + fixed + 3 * rows * inter * 4 + (2 * inter * inter if q_d is not None else 0) <= vmem_bytes // 2:
         return inter
     return None
 
