@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.quantized_weights import QuantizedWeight
 from pallas_kernels.tpu_quant import TpuQuant, block_shapes
-from pallas_kernels.tpu_tiles import _each_step, _real_tile, _weight_dot, _weight_parts, interpret_params
+from pallas_kernels.tpu_tiles import each_step, interpret_params, real_tile, weight_dot, weight_parts
 
 Array = jax.Array
 
@@ -57,17 +57,17 @@ def _fused_kernel(expert_ref, n_ref, x_ref, *rest, act, n_i, rem, scaled, bias, 
         rows = x_ref[...]  # [tm, H]
         if scaled:
             rows = (rows.astype(jnp.float32) * scale_ref[...]).astype(h_dtype)
-        g = _weight_dot(rows, gate_refs, quant[0], 0)  # [tm, bi]
-        u = _weight_dot(rows, up_refs, quant[0], 0)
+        g = weight_dot(rows, gate_refs, quant[0], 0)  # [tm, bi]
+        u = weight_dot(rows, up_refs, quant[0], 0)
         if bias:
             g = g + gate_bias_ref[...].astype(jnp.float32)
             u = u + up_bias_ref[...].astype(jnp.float32)
         h = act(g, u).astype(h_dtype)
         if quant[1] is not None and quant[1].packed:
             h = _even_odd(h)
-        acc[...] += _weight_dot(h, down_refs, quant[1], valid)
+        acc[...] += weight_dot(h, down_refs, quant[1], valid)
 
-    _each_step(real, i, n_i, rem, step)
+    each_step(real, i, n_i, rem, step)
 
     @pl.when(real & (i == n_i - 1))
     def _store():
@@ -82,7 +82,7 @@ def _specs(w, by_tile, shape_k: int, shape_n: int, n_i: int, *, columns: bool) -
     its rows (down), of expert `tile_expert[t]` (or of tile t: FP8's expanded decode scales)."""
 
     def index(t, i, expert_ref, n_ref, *, tile: bool, whole: bool):
-        tt, ii = _real_tile(t, i, n_i, n_ref)
+        tt, ii = real_tile(t, i, n_i, n_ref)
         first = tt if tile else expert_ref[tt]
         return (first, 0, 0) if whole else ((first, 0, ii) if columns else (first, ii, 0))
 
@@ -106,12 +106,12 @@ def fused_ffn(x, row_scale, gate, up, down, biases, tables, act, h_dtype, block_
     n_i = pl.cdiv(I, block_i)
     quant = tuple(TpuQuant.of(w) if isinstance(w, QuantizedWeight) else None for w in (gate, down))
     slot_experts = tile_expert if options["scales_by_tile"] else None
-    (g_arrays, g_tile), (u_arrays, _), (d_arrays, d_tile) = (_weight_parts(w, slot_experts) for w in (gate, up, down))
+    (g_arrays, g_tile), (u_arrays, _), (d_arrays, d_tile) = (weight_parts(w, slot_experts) for w in (gate, up, down))
     gu_specs = _specs(gate, g_tile, H, block_i, n_i, columns=True)
     d_specs = _specs(down, d_tile, block_i, H, n_i, columns=False)
-    per_tile = lambda t, i, e, n: (_real_tile(t, i, n_i, n)[0], 0, 0)
-    expert_col = lambda t, i, e, n: (e[_real_tile(t, i, n_i, n)[0]], 0, _real_tile(t, i, n_i, n)[1])
-    expert_row = lambda t, i, e, n: (e[_real_tile(t, i, n_i, n)[0]], 0, 0)
+    per_tile = lambda t, i, e, n: (real_tile(t, i, n_i, n)[0], 0, 0)
+    expert_col = lambda t, i, e, n: (e[real_tile(t, i, n_i, n)[0]], 0, real_tile(t, i, n_i, n)[1])
+    expert_row = lambda t, i, e, n: (e[real_tile(t, i, n_i, n)[0]], 0, 0)
     shared = x.shape[0] == 1
     in_specs = [
         pl.BlockSpec((None, tm, H), (lambda t, i, e, n: (0, 0, 0)) if shared else per_tile),

@@ -192,7 +192,7 @@ class TpuTileBlockSizes:
             quant[1].check(f"{type(self).__name__}.fused_block_i", inter, b)
 
 
-def _real_tile(t, k, n_k, n_ref):
+def real_tile(t, k, n_k, n_ref):
     """(t, k), or for tiles past n_tiles the last real tile's last step (its block indices: nothing copied)."""
     real = t < n_ref[0]
     return jnp.where(real, t, jnp.maximum(n_ref[0] - 1, 0)), jnp.where(real, k, n_k - 1)
@@ -208,11 +208,11 @@ def _dense_dot(rows: Array, w_ref, valid: int) -> Array:
     return jnp.dot(rows, w, preferred_element_type=jnp.float32)
 
 
-def _weight_dot(rows: Array, refs: tuple, quant: TpuQuant | None, valid: int) -> Array:
+def weight_dot(rows: Array, refs: tuple, quant: TpuQuant | None, valid: int) -> Array:
     return _dense_dot(rows, refs[0], valid) if quant is None else quantized_dot(rows, quant, refs)
 
 
-def _each_step(real, k, n_k: int, rem: int, accumulate) -> None:
+def each_step(real, k, n_k: int, rem: int, accumulate) -> None:
     """`accumulate(0)` on every real step; where the contraction's last block is partial (`rem` > 0 elements
     valid), `accumulate(rem)` on that one (its masking costs VPU work the other steps skip)."""
     if not rem:
@@ -238,10 +238,10 @@ def _gate_up_kernel(expert_ref, n_ref, x_ref, *rest, act, n_k, rem, scaled, bias
         rows = x_ref[...]  # [tm, bh], in the multiply dtype unless scaled per tile
         if scaled:  # a union expert's rows: x scaled by its summed input scales, rounded as the reference does
             rows = (rows.astype(jnp.float32) * scale_ref[...]).astype(h_ref.dtype)
-        g_acc[...] += _weight_dot(rows, gate_refs, quant, valid)
-        u_acc[...] += _weight_dot(rows, up_refs, quant, valid)
+        g_acc[...] += weight_dot(rows, gate_refs, quant, valid)
+        u_acc[...] += weight_dot(rows, up_refs, quant, valid)
 
-    _each_step(real, k, n_k, rem, accumulate)
+    each_step(real, k, n_k, rem, accumulate)
 
     @pl.when(real & (k == n_k - 1))
     def _activation():
@@ -263,9 +263,9 @@ def _down_kernel(expert_ref, n_ref, h_ref, *rest, n_k, rem, bias, parts, quant):
         acc[...] = jnp.zeros_like(acc)
 
     def accumulate(valid: int) -> None:
-        acc[...] += _weight_dot(h_ref[...], down_refs, quant, valid)
+        acc[...] += weight_dot(h_ref[...], down_refs, quant, valid)
 
-    _each_step(real, k, n_k, rem, accumulate)
+    each_step(real, k, n_k, rem, accumulate)
 
     @pl.when(real & (k == n_k - 1))
     def _store():
@@ -275,7 +275,7 @@ def _down_kernel(expert_ref, n_ref, h_ref, *rest, n_k, rem, bias, parts, quant):
         y_ref[...] = y
 
 
-def _weight_parts(w, slot_experts: Array | None) -> tuple[tuple[Array, ...], tuple[bool, ...]]:
+def weight_parts(w, slot_experts: Array | None) -> tuple[tuple[Array, ...], tuple[bool, ...]]:
     """The arrays of one weight the kernels read, and whether each is indexed by tile (else by expert)."""
     if isinstance(w, QuantizedWeight):
         return tile_arrays(w, slot_experts)
@@ -287,7 +287,7 @@ def _weight_specs(w, by_tile: tuple[bool, ...], block_k: int, block_n: int, n_k:
     `tile_expert[t]` (or of tile t itself: FP8's expanded scales in decode)."""
 
     def index(j, t, k, expert_ref, n_ref, *, tile: bool, whole: bool):
-        tt, kk = _real_tile(t, k, n_k, n_ref)
+        tt, kk = real_tile(t, k, n_k, n_ref)
         first = tt if tile else expert_ref[tt]
         return (first, 0, 0) if whole else (first, kk, j)
 
@@ -302,7 +302,7 @@ def _bias_specs(block_n: int, n_k: int, n_bias: int) -> list:
     """BlockSpecs of `n_bias` bias rows `[1, block_n]` (column block j of expert `tile_expert[t]`)."""
 
     def bias_map(j, t, k, expert_ref, n_ref):
-        return expert_ref[_real_tile(t, k, n_k, n_ref)[0]], 0, j
+        return expert_ref[real_tile(t, k, n_k, n_ref)[0]], 0, j
 
     return [pl.BlockSpec((None, 1, block_n), bias_map)] * n_bias
 
@@ -311,7 +311,7 @@ def _row_spec(shape: tuple[int, int], n_k: int, shared: bool) -> pl.BlockSpec:
     """The rows `[tm, block]` of tile t (or of every tile: `shared`) at contraction step k."""
 
     def index(j, t, k, expert_ref, n_ref):
-        tt, kk = _real_tile(t, k, n_k, n_ref)
+        tt, kk = real_tile(t, k, n_k, n_ref)
         return (0 if shared else tt), 0, kk
 
     return pl.BlockSpec((None, *shape), index)
@@ -323,7 +323,7 @@ def _tile_call(kernel, out_shape, grid, in_specs: list, rows: int, block_n: int,
     n_k = grid[2]
 
     def out_map(j, t, k, expert_ref, n_ref):
-        return _real_tile(t, k, n_k, n_ref)[0], 0, j
+        return real_tile(t, k, n_k, n_ref)[0], 0, j
 
     return pl.pallas_call(
         kernel,
@@ -356,13 +356,13 @@ def gate_up(x, row_scale, gate, up, biases, tables, act, h_dtype, bs, *, scales_
     n_k, n_i = pl.cdiv(H, bs.block_h), pl.cdiv(I, bs.block_i)
     quant = TpuQuant.of(gate) if isinstance(gate, QuantizedWeight) else None
     slot_experts = tile_expert if scales_by_tile else None
-    gate_arrays, by_tile = _weight_parts(gate, slot_experts)
-    up_arrays, _ = _weight_parts(up, slot_experts)
+    gate_arrays, by_tile = weight_parts(gate, slot_experts)
+    up_arrays, _ = weight_parts(up, slot_experts)
     specs = _weight_specs(gate, by_tile, bs.block_h, bs.block_i, n_k)
     scaled = row_scale is not None
     in_specs = [
         _row_spec((tm, bs.block_h), n_k, x.shape[0] == 1),
-        *([pl.BlockSpec((None, tm, 1), lambda j, t, k, e, n: (_real_tile(t, k, n_k, n)[0], 0, 0))] if scaled else []),
+        *([pl.BlockSpec((None, tm, 1), lambda j, t, k, e, n: (real_tile(t, k, n_k, n)[0], 0, 0))] if scaled else []),
         *specs,
         *specs,
         *_bias_specs(bs.block_i, n_k, len(biases)),
@@ -389,7 +389,7 @@ def down(h, down_w, bias, tables, bs, *, scales_by_tile, interpret, name) -> Arr
     M, tm, (_, I, H) = tile_expert.shape[0], h.shape[1], down_w.shape
     n_k, n_h = pl.cdiv(I, bs.block_i_down), pl.cdiv(H, bs.block_h_down)
     quant = TpuQuant.of(down_w) if isinstance(down_w, QuantizedWeight) else None
-    arrays, by_tile = _weight_parts(down_w, tile_expert if scales_by_tile else None)
+    arrays, by_tile = weight_parts(down_w, tile_expert if scales_by_tile else None)
     specs = _weight_specs(down_w, by_tile, bs.block_i_down, bs.block_h_down, n_k)
     specs += _bias_specs(bs.block_h_down, n_k, len(bias))
     kernel = functools.partial(
