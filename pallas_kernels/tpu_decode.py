@@ -49,7 +49,8 @@ _ROWS = 8  # rows of every tile: T padded to one sublane group
 
 class TpuDecodeBlockSizes(TpuTileBlockSizes):
     """Tiles of the two decode kernels (`TpuTileBlockSizes`: gate/up `[block_h, block_i]`, down `[block_i_down,
-    block_h_down]`, the scoped VMEM); default: `TpuDecodeBlockSizes.default(H, I, dtype, device_kind, quant)`."""
+    block_h_down]`, the scoped VMEM; `fused_block_i` set: the one fused kernel instead, tpu_fused.py); default:
+    `TpuDecodeBlockSizes.default(H, I, dtype, device_kind, quant)` (two kernels; `fused=True`: fused where it fits)."""
 
 
 @moe_op
