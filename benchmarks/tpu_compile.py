@@ -10,6 +10,7 @@ the chip's HBM. (`cost_analysis()` is not used: it counts a loop body once.)
 
     python benchmarks/tpu_compile.py                      # every case, v5e and v6e
     python benchmarks/tpu_compile.py --chips v5e qwen3-T1-pallas --json out.json
+    python benchmarks/tpu_compile.py --fused qwen3-T1-pallas-int4   # the routed experts on the fused kernel
 
 tests/test_tpu_compile.py compiles a subset (`CI_CASES`) of this table.
 """
@@ -52,16 +53,17 @@ LAYERS = {
     ),
 }
 # label: (layer, T, impl, weights). weights: "bfloat16", "float32" or a quantized format's name.
+QUANTIZED = ("int8", "int4", "fp8_block", "mxfp4", "nvfp4")
 CASES = {
     f"{short}-T{T}-{impl}{'' if w == 'bfloat16' else '-' + w}": (layer, T, impl, w)
     for short, layer in (("qwen3", "qwen3-30b-a3b"), ("gptoss", "gpt-oss-120b"), ("dsv3", "deepseek-v3"))
     for T in (1, 8, 2048)
     for impl in ("pallas", "xla", "ragged")
-    for w in ("bfloat16", "int8")
+    for w in ("bfloat16", *QUANTIZED)
     if not (impl == "ragged" and (T <= 8 or w != "bfloat16"))  # ragged: prefill, dense weights
-    and not (impl == "pallas" and w != "bfloat16" and T > 8)  # the TPU grouped kernel reads bf16/f32 weights
+    and not (impl == "xla" and w not in ("bfloat16", "int8"))  # the XLA plans: one quantized kind for reference
     and not (layer == "deepseek-v3" and w == "bfloat16")  # 22.5 GB of bf16 experts: over one chip's HBM
-    and not (layer == "gpt-oss-120b" and w == "int8")  # groups of 128 do not divide 2880
+    and not (layer == "gpt-oss-120b" and w in ("int8", "int4"))  # groups of 128 do not divide 2880
 }
 # What CI compiles (tests/test_tpu_compile.py): both kernels, ragged_dot and one XLA plan, on small-but-real
 # shapes, in about 30 s on 2 cores.
@@ -166,29 +168,80 @@ def compile_ep(cfg: moejax.MoEConfig, T: int, mode: str, impl: str, chip_name: s
 
 
 def kernel_vmem(cfg: moejax.MoEConfig, T: int, weights: str, device_kind: str) -> dict:
-    """The TPU kernels' tiles for this layer and chip, and the VMEM they take (double-buffered inputs and
-    outputs plus float32 accumulators, the larger of the two kernels), next to the scoped limit Mosaic gets."""
-    from pallas_kernels import TpuDecodeBlockSizes, TpuGroupedBlockSizes
-    from pallas_kernels.tpu_decode import vmem_limit
+    """The TPU kernels' tiles for this layer and chip, and an estimate of the VMEM they take (double-buffered
+    inputs and outputs plus float32 accumulators, the larger of the two kernels; quantized tiles: codes and scale
+    rows, plus the float32/bf16 temporaries of one 256-row decoded chunk), next to the scoped limit Mosaic gets."""
+    from moejax.backends.pallas import quantized_weights
+    from pallas_kernels import TpuGroupedBlockSizes
+    from pallas_kernels.tpu_tiles import TpuTileBlockSizes, quant_pair, vmem_limit
 
     H, I, K = cfg.hidden_size, cfg.intermediate_size, cfg.top_k
-    item = 1 if weights == "int8" else jnp.dtype(weights).itemsize
-    if T <= 8:
-        groups = (128, 128) if weights == "int8" else None
-        b = TpuDecodeBlockSizes.default(
-            H, I, jnp.dtype("bfloat16" if weights == "int8" else weights), device_kind, groups
-        )
-        gate_up = 2 * (2 * b.block_h * b.block_i * item + 8 * b.block_h * 2 + 8 * b.block_i * 2) + 2 * 8 * b.block_i * 4
-        down = 2 * (b.block_i_down * b.block_h_down * item + 8 * b.block_i_down * 2 + 8 * b.block_h_down * 4)
-        tiles, used = (
-            (b.block_h, b.block_i, b.block_i_down, b.block_h_down),
-            max(gate_up, down + 8 * b.block_h_down * 4),
-        )
-    else:
-        b = TpuGroupedBlockSizes.default(T * K, H, I, jnp.dtype(weights), device_kind)
-        tiles = (b.gate_up, b.down)
-        used = max(2 * (tm * tk + tk * tn) * item + 3 * tm * tn * 4 for tm, tk, tn in tiles)
-    return {"tiles": tiles, "vmem_bytes": int(used), "vmem_limit": vmem_limit(device_kind)}
+    quant, dtype = None, jnp.dtype(weights if weights in ("bfloat16", "float32") else "bfloat16")
+    if weights not in ("bfloat16", "float32"):
+        init = lambda k: moejax.init_params(cfg, k, jnp.bfloat16, fmt=format_by_name(weights), layout="stacked")
+        quant = quant_pair(*quantized_weights("vmem", jax.eval_shape(init, jax.random.key(0)).experts)[::2])
+    rows = 8 if T <= 8 else TpuGroupedBlockSizes.default(T * K, H, I, dtype, device_kind).gate_up[0]
+    if T > 8 and quant is None:  # megablox gmm
+        b = TpuGroupedBlockSizes.default(T * K, H, I, dtype, device_kind)
+        used = max(2 * (tm * tk + tk * tn) * dtype.itemsize + 3 * tm * tn * 4 for tm, tk, tn in (b.gate_up, b.down))
+        return {"tiles": (b.gate_up, b.down), "vmem_bytes": int(used), "vmem_limit": vmem_limit(device_kind)}
+    b = TpuTileBlockSizes.default(H, I, dtype, device_kind, quant, rows)
+
+    def weight(q, k: int, n: int) -> float:  # one buffer of one weight tile, and the decode temporaries
+        if q is None:
+            return k * n * dtype.itemsize, 0
+        scale_rows = -(-k // q.group) * (1 + q.has_zero)
+        return k * n * q.code_bytes + scale_rows * n * q.scale_itemsize, 256 * n * (4 + 4 + 2)
+
+    (gu, gu_tmp), (dn, dn_tmp) = (
+        weight(quant and quant[0], b.block_h, b.block_i),
+        weight(quant and quant[1], b.block_i_down, b.block_h_down),
+    )
+    gate_up = 2 * (2 * gu + rows * b.block_h * 2 + rows * b.block_i * 2) + 2 * rows * b.block_i * 4 + gu_tmp
+    down = 2 * (dn + rows * b.block_i_down * 2 + rows * b.block_h_down * 4) + rows * b.block_h_down * 4 + dn_tmp
+    tiles = (b.block_h, b.block_i, b.block_i_down, b.block_h_down)
+    return {"tiles": tiles, "vmem_bytes": int(max(gate_up, down)), "vmem_limit": vmem_limit(device_kind)}
+
+
+def compile_fused(cfg: moejax.MoEConfig, T: int, weights: str, chip_name: str) -> dict:
+    """Compile the routed experts alone on the fused TPU kernel (`TpuTileBlockSizes.default(..., fused=True)`:
+    decode, or the tiled prefill) for one chip; `error` where it failed or the whole-H tiles do not fit."""
+    from moejax.backends.pallas import quantized_weights
+    from pallas_kernels import TpuDecodeBlockSizes, TpuGroupedBlockSizes, moe_tpu_decode, moe_tpu_grouped
+    from pallas_kernels.tpu_tiles import quant_pair
+
+    device, _ = chip(chip_name)
+    params, x = abstract_inputs(cfg, T, weights, device)
+    e = params.experts
+    w = quantized_weights("fused", e) if weights not in ("bfloat16", "float32") else (e.gate, e.up, e.down)
+    H, I, K, kind = cfg.hidden_size, cfg.intermediate_size, cfg.top_k, device.device_kind
+    quant, dtype = quant_pair(w[0], w[2]), jnp.dtype("bfloat16" if weights != "float32" else weights)
+    ids = jax.ShapeDtypeStruct((T, K), jnp.int32, sharding=x.sharding)
+    slot_w = jax.ShapeDtypeStruct((T, K), jnp.float32, sharding=x.sharding)
+    start = time.perf_counter()
+    try:
+        if T <= 8:
+            bs = TpuDecodeBlockSizes.default(H, I, dtype, kind, quant, fused=True)
+            fn = functools.partial(moe_tpu_decode, block_sizes=bs, device_kind=kind)
+        else:
+            g = TpuGroupedBlockSizes.default(T * K, H, I, dtype, kind, quant)
+            tiles = TpuDecodeBlockSizes.default(H, I, dtype, kind, quant, rows=g.gate_up[0], fused=True)
+            bs = TpuGroupedBlockSizes(g.gate_up, g.down, tiles)
+            fn = functools.partial(moe_tpu_grouped, block_sizes=bs, device_kind=kind)
+        if (bs.fused_block_i if T <= 8 else bs.tiles.fused_block_i) is None:
+            return {"chip": chip_name, "error": "the fused kernel's tiles do not fit VMEM"}
+        compiled = jax.jit(fn).lower(x, *w, ids, slot_w).compile()
+    except Exception as err:  # the table records any compiler error as the result
+        return {"chip": chip_name, "error": f"{type(err).__name__}: {str(err)[:400]}"}
+    mem = compiled.memory_analysis()
+    used = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+    return {
+        "chip": chip_name,
+        "compile_s": round(time.perf_counter() - start, 2),
+        "hbm_bytes": int(used),
+        "fused_block_i": bs.fused_block_i if T <= 8 else bs.tiles.fused_block_i,
+        "compiled_tpu_custom_calls": compiled.as_text().count('custom_call_target="tpu_custom_call"'),
+    }
 
 
 def problems(row: dict, impl: str) -> list[str]:
@@ -209,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chips", nargs="+", default=list(CHIPS), choices=list(CHIPS))
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--ep", nargs="+", default=[], help=f"EP cases over 4 chips: {', '.join(EP_CASES)}")
+    parser.add_argument("--fused", action="store_true", help="pallas cases: the routed experts on the fused kernel")
     args = parser.parse_args(argv)
     unknown = [c for c in args.cases if c not in CASES] + [c for c in args.ep if c not in EP_CASES]
     if unknown:
@@ -231,7 +285,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row.get('compiled_tpu_custom_calls', '-'):>9}  {'; '.join(bad)[:300]}",
                 flush=True,
             )
-    for label in args.cases or ([] if args.ep else list(CASES)):
+    for label in args.cases if args.fused else []:
+        layer, T, _, weights = CASES[label]
+        for chip_name in args.chips:
+            row = {"case": f"{label}-fused", **compile_fused(LAYERS[layer], T, weights, chip_name)}
+            failed += "error" in row
+            rows.append(row)
+            print(
+                f"{label + '-fused':28} {chip_name:4} {row.get('compile_s', '-'):>9} "
+                f"{row.get('hbm_bytes', 0) / GiB:8.2f} {'-':>6} {row.get('compiled_tpu_custom_calls', '-'):>9}  "
+                f"{row.get('error', '')[:300] or 'block_i=' + str(row['fused_block_i'])}",
+                flush=True,
+            )
+    for label in [] if args.fused else args.cases or ([] if args.ep else list(CASES)):
         layer, T, impl, weights = CASES[label]
         for chip_name in args.chips:
             row = {"case": label, **compile_one(LAYERS[layer], T, impl, weights, chip_name)}

@@ -65,13 +65,14 @@ def e8m0_to_f32(scales):
     return _as_float32(bits, xp)
 
 
-def e4m3_to_f32(q):
+def e4m3_to_f32(q, *, direct: bool = False):
     """float8_e4m3fn values (or their bytes as uint8) -> float32, exactly, through float16: every e4m3 value is a
-    float16 (Mosaic GPU converts e4m3 to f16 with Hopper's `cvt.f16x2.e4m3x2`)."""
+    float16 (Mosaic GPU converts e4m3 to f16 with Hopper's `cvt.f16x2.e4m3x2`). `direct`: convert straight to
+    float32, as exact (Mosaic TPU has no float16 vectors)."""
     xp, q = _namespace(q)
     if q.dtype == np.uint8:
         q = q.view(ml_dtypes.float8_e4m3fn) if xp is np else jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn)
-    return q.astype(xp.float16).astype(xp.float32)
+    return q.astype(xp.float32) if direct else q.astype(xp.float16).astype(xp.float32)
 
 
 def split_nibbles(packed):

@@ -38,28 +38,32 @@ class GroupedBlockSizes(TilePairBlockSizes):
     largest of 128/64 columns dividing I (gate/up) and H (down)."""
 
 
-def max_tiles(num_pairs: int, num_experts: int) -> int:
-    """Static bound on `Σ_e ceil(count_e / 64)`: each non-empty expert wastes less than one tile."""
-    return max(1, min(num_pairs, -(-num_pairs // TILE_ROWS) + min(num_experts, num_pairs)))
+def max_tiles(num_pairs: int, num_experts: int, tile_rows: int = TILE_ROWS) -> int:
+    """Static bound on `Σ_e ceil(count_e / tile_rows)`: each non-empty expert wastes less than one tile."""
+    return max(1, min(num_pairs, -(-num_pairs // tile_rows) + min(num_experts, num_pairs)))
 
 
-def block_aligned_layout(indices: Array, num_experts: int) -> tuple[Array, Array, Array, Array]:
-    """The tile table of step 1 (module docstring), on device.
+def block_aligned_layout(
+    indices: Array, num_experts: int, tile_rows: int = TILE_ROWS
+) -> tuple[Array, Array, Array, Array]:
+    """The tile table of step 1 (module docstring), on device, in tiles of `tile_rows` rows (64 here; the
+    Mosaic TPU grouped kernel's own).
 
     Returns:
-      pair_row `[T·K] int32`: each pair's row in the block-aligned layout (R = 64·max_tiles for ids outside).
+      pair_row `[T·K] int32`: each pair's row in the block-aligned layout (R = tile_rows·max_tiles for ids
+        outside).
       row_pair `[R] int32`: the pair in each row (T·K for padding rows).
       tile_expert `[max_tiles] int32`: the expert of each tile (clamped into [0, E) past the tiles in use).
       num_tiles `[1] int32`: tiles in use.
     """
     M = indices.size
     E = num_experts
-    n_tiles = max_tiles(M, E)
-    R = n_tiles * TILE_ROWS
+    n_tiles = max_tiles(M, E, tile_rows)
+    R = n_tiles * tile_rows
     ids = indices.reshape(-1).astype(jnp.int32)
     expert_of_pair = jnp.where((ids >= 0) & (ids < E), ids, E)  # [M]; outside -> bucket E, sorted last
     counts = jnp.bincount(expert_of_pair, length=E + 1)[:E]  # [E]
-    tiles = (counts + TILE_ROWS - 1) // TILE_ROWS
+    tiles = (counts + tile_rows - 1) // tile_rows
     tile_end = jnp.cumsum(tiles)
     first_tile = tile_end - tiles
     first_sorted = jnp.cumsum(counts) - counts  # [E] first sorted position of each expert
@@ -67,12 +71,28 @@ def block_aligned_layout(indices: Array, num_experts: int) -> tuple[Array, Array
     sorted_expert = expert_of_pair[order]
     safe = jnp.minimum(sorted_expert, E - 1)
     rank = jnp.arange(M, dtype=jnp.int32) - first_sorted[safe]
-    row_of_sorted = jnp.where(sorted_expert < E, first_tile[safe] * TILE_ROWS + rank, R)
+    row_of_sorted = jnp.where(sorted_expert < E, first_tile[safe] * tile_rows + rank, R)
     pair_row = jnp.zeros(M, jnp.int32).at[order].set(row_of_sorted.astype(jnp.int32))
     row_pair = jnp.full(R, M, jnp.int32).at[row_of_sorted].set(order.astype(jnp.int32), mode="drop")
     tile_ids = jnp.arange(n_tiles, dtype=jnp.int32)
     tile_expert = jnp.minimum(jnp.searchsorted(tile_end, tile_ids, side="right"), E - 1).astype(jnp.int32)
     return pair_row, row_pair, tile_expert, tile_end[-1:].astype(jnp.int32)
+
+
+def block_aligned_rows(x: Array, in_scale: Array | None, row_pair: Array, num_slots: int, dtype) -> Array:
+    """The rows of the block-aligned layout `[R, H]` in `dtype`: row r holds the token of pair `row_pair[r]`
+    (`x [T, H]`, `num_slots` = K pairs per token) scaled by that pair's input scale (`in_scale [T, K]` or None);
+    padding rows (`row_pair >= T·K`) are zero. Shared with the Mosaic TPU grouped op (tpu_grouped.py)."""
+    T, H = x.shape
+    M = T * num_slots
+    padding = row_pair >= M
+    token_of_row = jnp.where(padding, T, row_pair // num_slots)  # row T of x_ext is zeros
+    if in_scale is None:
+        x_ext = jnp.concatenate([x.astype(dtype), jnp.zeros((1, H), dtype)])
+        return x_ext[token_of_row]
+    x_ext = jnp.concatenate([x.astype(jnp.float32), jnp.zeros((1, H), jnp.float32)])
+    scale = jnp.where(padding, 0.0, in_scale.reshape(-1).astype(jnp.float32)[jnp.minimum(row_pair, M - 1)])
+    return (x_ext[token_of_row] * scale[:, None]).astype(dtype)
 
 
 @interpret_by_platform
@@ -83,20 +103,10 @@ def moe_grouped(p: MoEProblem, *, block_sizes: GroupedBlockSizes | None = None, 
     T, H, E, _, K = p.dims
     dtype = compute_dtype(p.gate)  # bf16 for quantized weights
     bs = block_sizes or GroupedBlockSizes.for_problem(p, interpret)
-    M = T * K
 
     pair_row, row_pair, tile_expert, num_tiles = block_aligned_layout(p.indices, E)
     padded = pad_problem(p, bs)
-    hidden = padded.x.shape[1]
-    padding = row_pair >= M
-    token_of_row = jnp.where(padding, T, row_pair // K)  # row T of x_ext is zeros
-    if p.in_scale is None:
-        x_ext = jnp.concatenate([padded.x.astype(dtype), jnp.zeros((1, hidden), dtype)])
-        rows = x_ext[token_of_row]  # [R, H]
-    else:
-        x_ext = jnp.concatenate([padded.x.astype(jnp.float32), jnp.zeros((1, hidden), jnp.float32)])
-        scale = jnp.where(padding, 0.0, p.in_scale.reshape(-1).astype(jnp.float32)[jnp.minimum(row_pair, M - 1)])
-        rows = (x_ext[token_of_row] * scale[:, None]).astype(dtype)
+    rows = block_aligned_rows(padded.x, p.in_scale, row_pair, K, dtype)  # [R, H]
     tile_block = jnp.arange(tile_expert.shape[0], dtype=jnp.int32)
     y = tiles_ffn(rows, padded, (tile_expert, tile_block, num_tiles), bs, TILE_ROWS, interpret)
     per_pair = y[jnp.minimum(pair_row, y.shape[0] - 1), :H]  # [M, H]; rows of ids outside are masked below

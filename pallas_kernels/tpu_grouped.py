@@ -1,21 +1,29 @@
-"""Grouped prefill on Mosaic TPU: (token, slot) pairs sorted by expert, multiplied by jax's megablox `gmm`.
+"""Grouped prefill on Mosaic TPU: (token, slot) pairs sorted by expert, multiplied tile by tile.
 
-Lowering: **Mosaic TPU**, through `jax.experimental.pallas.ops.tpu.megablox.gmm` (a Pallas TPU grouped matmul:
-per m-tile of sorted rows the group's `[tk, tn]` weight tiles, pipelined HBM -> VMEM, MXU with a float32 VMEM
-accumulator; tiles of empty groups are never visited). The TPU counterpart of `grouped.py` (Mosaic GPU), same
-signature, same reference; `pallas_kernels.platform` lowers it where a program is built for TPU.
+Lowering: **Mosaic TPU**. The TPU counterpart of `grouped.py` (Mosaic GPU), same signature, same reference;
+`pallas_kernels.platform` lowers it where a program is built for TPU. Two paths:
+
+Dense weights (bf16/float32) through jax's megablox `gmm` (a Pallas TPU grouped matmul: per m-tile of sorted rows
+the group's `[tk, tn]` weight tiles, pipelined HBM -> VMEM, MXU with a float32 VMEM accumulator; tiles of empty
+groups are never visited):
 
 1. Stable argsort of the T·K pairs by expert (ids outside [0, E) last, in no group); `group_sizes [E]`; rows
    gathered in that order (scaled by their input scales) and padded to a multiple of the row tile.
 2. `gmm(rows, gate)`, `gmm(rows, up)` float32; biases added per row; the activation; h in the weight dtype;
    `gmm(h, down)` float32. Rows in no group are never written by gmm (their values are undefined).
 3. Each pair's row gathered back; each token's slots summed with their weights in slot order (rows of ids
-   outside, and slots of weight 0, contribute exactly 0).
+   outside, and slots of weight 0, contribute exactly 0). The activation runs in XLA between the products (h makes
+   one round trip through HBM: `T·K·I` elements, small next to the weights at prefill sizes).
 
-The activation runs between the gate/up and down products in XLA, not fused in the kernel (h makes one round
-trip through HBM: `T·K·I` elements, small next to the weights at prefill sizes).
+Quantized weights (every `QuantizedWeight` kind), and dense ones when `TpuGroupedBlockSizes.tiles` is given, through
+the tile kernels of tpu_tiles.py, which dequantize each weight tile in VMEM (bf16 MXU, float32 accumulation) and fuse
+the activation into the gate/up kernel (h written once, in the multiply dtype):
 
-Weights: bf16 or float32, stacked. Float16 and quantized weights raise `NotImplementedError`.
+1. The block-aligned tile table of grouped.py (`block_aligned_layout`, in tiles of `tm` rows): every tile holds
+   rows of one expert; the rows gathered into it (scaled; padding rows zero).
+2. `tpu_tiles.gate_up` (gate and up in one pass, the activation on the last contraction step) -> h in bf16 ->
+   `tpu_tiles.down` -> float32 rows; tiles past those in use copy and compute nothing.
+3. As step 3 above.
 """
 
 from __future__ import annotations
@@ -28,9 +36,20 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import gmm
 
+from pallas_kernels import tpu_tiles
 from pallas_kernels.expert_tiles import round_up
-from pallas_kernels.moe_op import MoEProblem, combine_slots, moe_op, moe_reference
-from pallas_kernels.tpu_decode import block_along, check_tpu_weights, interpret_params, vmem_limit
+from pallas_kernels.grouped import block_aligned_layout, block_aligned_rows
+from pallas_kernels.moe_op import MoEProblem, combine_slots, compute_dtype, moe_op, moe_reference
+from pallas_kernels.tpu_fused import fused_ffn
+from pallas_kernels.tpu_quant import TpuQuant, reorder_for
+from pallas_kernels.tpu_tiles import (
+    TpuTileBlockSizes,
+    block_along,
+    check_tpu_weights,
+    interpret_params,
+    quant_pair,
+    vmem_limit,
+)
 
 Array = jax.Array
 
@@ -48,6 +67,9 @@ class TpuGroupedBlockSizes:
 
     gate_up: tuple[int, int, int]
     down: tuple[int, int, int]
+    # The tile kernels' tiles (rows: gate_up's tm): quantized weights always run them (default tiles when None);
+    # dense weights run them, with the activation fused into the gate/up kernel, only when these are given.
+    tiles: TpuTileBlockSizes | None = None
 
     def __post_init__(self) -> None:
         for name in ("gate_up", "down"):
@@ -57,10 +79,17 @@ class TpuGroupedBlockSizes:
 
     @classmethod
     def default(
-        cls, rows: int, hidden: int, inter: int, dtype: Any, device_kind: str | None = None
+        cls,
+        rows: int,
+        hidden: int,
+        inter: int,
+        dtype: Any,
+        device_kind: str | None = None,
+        quant: tuple[TpuQuant, TpuQuant] | None = None,
     ) -> TpuGroupedBlockSizes:
         """tm: the MXU side (at most the rows, rounded to 8); tn up to 512; tk as long as a quarter of the scoped
-        VMEM holds the double-buffered lhs and rhs tiles."""
+        VMEM holds the double-buffered lhs and rhs tiles. `quant` (quantized projections): also the tile kernels'
+        tiles for `tm` rows (`TpuTileBlockSizes.default`)."""
         item = jnp.dtype(dtype).itemsize
         budget = vmem_limit(device_kind) // 4
         tm = min(_MXU.get(device_kind or "", 128), round_up(rows, 8))
@@ -71,7 +100,8 @@ class TpuGroupedBlockSizes:
             tk = block_along(k, max(128, budget // (2 * item * (tm + tn))), partial=True)
             return tm, tk, tn
 
-        return cls(tiles(hidden, inter), tiles(inter, hidden))
+        quantized = None if quant is None else TpuTileBlockSizes.default(hidden, inter, dtype, device_kind, quant, tm)
+        return cls(tiles(hidden, inter), tiles(inter, hidden), quantized)
 
 
 @moe_op
@@ -84,18 +114,29 @@ def moe_tpu_grouped(
 ) -> Array:
     """Routed experts for any number of rows (`MoEProblem`) on Mosaic TPU, `[T, H]` float32 (module docstring).
 
-    Weights bf16 or float32. in_scale: each pair is scaled on its own.
-    block_sizes: `TpuGroupedBlockSizes`, default `TpuGroupedBlockSizes.default(T·K, H, I, dtype, device_kind)`.
+    Weights bf16 or float32 (megablox `gmm`), or `QuantizedWeight`s of any kind (the tile kernels). in_scale:
+    each pair is scaled on its own.
+    block_sizes: `TpuGroupedBlockSizes`, default `TpuGroupedBlockSizes.default(T·K, H, I, dtype, device_kind,
+      quant)`.
     device_kind: the TPU the program is compiled for (sizes the tiles; `pallas_kernels.platform` passes it).
     interpret: run under Pallas's TPU interpreter (on CPU, for tests).
     """
     check_tpu_weights("moe_tpu_grouped", p.gate)
-    T, H, E, I, K = p.dims
+    T, H, _, I, K = p.dims
+    quant = quant_pair(p.gate, p.down)
+    bs = block_sizes or TpuGroupedBlockSizes.default(T * K, H, I, compute_dtype(p.gate), device_kind, quant)
+    if quant is not None or bs.tiles is not None:
+        return _tiled_grouped(p, quant, bs, device_kind, interpret)
+    return _dense_grouped(p, bs, interpret)
+
+
+def _dense_grouped(p: MoEProblem, bs: TpuGroupedBlockSizes, interpret: bool) -> Array:
+    """Dense weights on megablox `gmm` (module docstring, first path)."""
+    T, H, E, _, K = p.dims
     x, gate, up, down, indices, weights, in_scale = p.x, p.gate, p.up, p.down, p.indices, p.weights, p.in_scale
     gate_bias, up_bias, down_bias = p.biases
     M = T * K
     dtype = gate.dtype
-    bs = block_sizes or TpuGroupedBlockSizes.default(M, H, I, dtype, device_kind)
     rows_padded = round_up(M, math.lcm(bs.gate_up[0], bs.down[0]))
 
     ids = indices.reshape(-1).astype(jnp.int32)
@@ -122,6 +163,57 @@ def moe_tpu_grouped(
     sorted_row = jnp.zeros(M, jnp.int32).at[order].set(jnp.arange(M, dtype=jnp.int32))  # [M] each pair's row
     per_pair = y[sorted_row]  # [M, H]
     return combine_slots(per_pair.reshape(T, K, H), indices, weights, E)
+
+
+def _tiled_grouped(p: MoEProblem, quant, bs: TpuGroupedBlockSizes, device_kind, interpret: bool) -> Array:
+    """Quantized weights, or dense ones given `bs.tiles`, on the tile kernels (module docstring, second path)."""
+    T, H, E, I, K = p.dims
+    tm, dtype = bs.gate_up[0], compute_dtype(p.gate)
+    tiles = bs.tiles or TpuTileBlockSizes.default(H, I, dtype, device_kind, quant, tm)
+    tiles.check(H, I, quant)
+    pair_row, row_pair, tile_expert, num_tiles = block_aligned_layout(p.indices, E, tm)
+    R = row_pair.shape[0]
+    rows = block_aligned_rows(p.x, p.in_scale, row_pair, K, dtype)  # [R, H]
+    fused = tiles.fused_block_i is not None  # one kernel, contraction over the whole H
+    rows = reorder_for(quant and quant[0], rows, H if fused else tiles.block_h).reshape(R // tm, tm, H)
+    tables = (tile_expert, num_tiles)
+    biases = () if p.gate_bias is None else tuple(b[:, None] for b in p.biases)  # [E, 1, I] x 2, [E, 1, H]
+    run = dict(scales_by_tile=False, interpret=interpret)
+    if fused:
+        y = fused_ffn(
+            rows,
+            None,
+            p.gate,
+            p.up,
+            p.down,
+            biases,
+            tables,
+            p.activation,
+            dtype,
+            tiles.fused_block_i,
+            tiles.vmem_limit_bytes,
+            name="moe_tpu_grouped_ffn",
+            **run,
+        )
+    else:
+        h = tpu_tiles.gate_up(
+            rows,
+            None,
+            p.gate,
+            p.up,
+            biases[:2],
+            tables,
+            p.activation,
+            dtype,
+            tiles,
+            name="moe_tpu_grouped_gate_up",
+            **run,
+        )  # [tiles, tm, I]
+        h = reorder_for(quant and quant[1], h, tiles.block_i_down)
+        y = tpu_tiles.down(h, p.down, biases[2:], tables, tiles, name="moe_tpu_grouped_down", **run)
+    y = y.reshape(R, H)
+    per_pair = y[jnp.minimum(pair_row, R - 1)]  # [M, H]; rows of ids outside are masked by combine_slots
+    return combine_slots(per_pair.reshape(T, K, H), p.indices, p.weights, E)
 
 
 moe_tpu_grouped_reference = moe_reference(moe_tpu_grouped)

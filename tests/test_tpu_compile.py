@@ -39,11 +39,22 @@ def tpu_compile():
     del sys.modules["tpu_compile"]
 
 
-@pytest.mark.parametrize("chip,T,weights", [("v5e", 8, "bfloat16"), ("v5e", 64, "bfloat16"), ("v6e", 8, "int8")])
+@pytest.mark.parametrize(
+    "chip,T,weights",
+    [
+        ("v5e", 8, "bfloat16"),
+        ("v5e", 64, "bfloat16"),
+        ("v6e", 8, "int8"),
+        ("v5e", 1, "mxfp4"),  # 4-bit codes with 8-bit scales (the two halves, e8m0) decoded in VMEM
+        ("v6e", 1, "fp8_block"),  # e4m3 codes, the expanded block scales
+        ("v6e", 64, "int8"),  # quantized prefill on the tile kernels
+    ],
+)
 def test_pallas_compiles_for_tpu_within_vmem_and_hbm(tpu_compile, chip, T, weights):
     row = tpu_compile.compile_one(tpu_compile.CI_LAYER, T, "pallas", weights, chip)
     assert tpu_compile.problems(row, "pallas") == [], row
-    assert row["compiled_tpu_custom_calls"] == (2 if T <= 8 else 3), row  # decode: gate/up + down; grouped: 3 gmm
+    # decode and quantized grouped: the gate/up and down tile kernels; dense grouped: 3 gmm
+    assert row["compiled_tpu_custom_calls"] == (3 if T > 8 and weights == "bfloat16" else 2), row
     assert 0 < row["hbm_fraction"] < 0.5, row
 
 
