@@ -34,12 +34,13 @@ LINEAR = "moejax_linear"
 _WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def linear(x: Array, w: Array, *, max_threads: int = 0, portable: bool = False) -> Array:
-    """`x @ w` `[T, N]` float32 by the native kernel, batch-invariant (csrc/linear_cpu.cc).
+def linear(x: Array, w: Array, bias: Array | None = None, *, max_threads: int = 0, portable: bool = False) -> Array:
+    """`x @ w (+ bias)` `[T, N]` float32 by the native kernel, batch-invariant (csrc/linear_cpu.cc).
 
     Args:
       x: `[T, K]` float32, bfloat16 or float16 (converted to float32, exactly).
       w: `[K, N]` float32, bfloat16 or float16, read as stored.
+      bias: `[N]` (converted to float32) added to each output's sum, or None.
       max_threads: at most this many threads (the caller's included); 0: the whole intra-op pool.
       portable: the portable C++ variant instead of the best for this CPU (tests).
 
@@ -54,9 +55,12 @@ def linear(x: Array, w: Array, *, max_threads: int = 0, portable: bool = False) 
     for name, value in (("x", x), ("w", w)):
         if jnp.dtype(value.dtype) not in _WEIGHT_DTYPES:
             raise ValueError(f"native linear: {name} must be float32, bfloat16 or float16, got {value.dtype}")
+    if bias is not None and tuple(bias.shape) != (w.shape[1],):
+        raise ValueError(f"native linear: bias must be [N]=({w.shape[1]},), got {bias.shape}")
+    bias = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     call = jax.ffi.ffi_call(LINEAR, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
-    empty = jnp.zeros((0,), jnp.float32)
-    return call(x.astype(jnp.float32), w, empty, max_threads=np.int64(max_threads), portable=np.int64(bool(portable)))
+    flags = {"max_threads": np.int64(max_threads), "portable": np.int64(bool(portable))}
+    return call(x.astype(jnp.float32), w, bias, **flags)
 
 
 def xla_matmul(x: Array, w: Array) -> Array:
