@@ -33,9 +33,9 @@ def _native_extensions() -> list[Extension]:
     return [
         Extension(
             "moejax._native_cpu",
-            sources=["csrc/moe_cpu.cc"],
+            sources=["csrc/moe_cpu.cc", "csrc/linear_cpu.cc"],
             include_dirs=["csrc"],
-            depends=["csrc/kernels.inc", "csrc/vec_avx2.inc", "csrc/vec_generic.inc"],
+            depends=["csrc/kernels.inc", "csrc/vec_avx2.inc", "csrc/vec_generic.inc", "csrc/linear_kernel.inc"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             language="c++",

@@ -517,16 +517,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExperts, moe::MoeExpertsImpl,
                                   .Attr<int64_t>("max_threads"));
 
 // -- the Python module: PyCapsules of the handlers, the chosen ISA ---------------------------------------------
+extern "C" XLA_FFI_Error* MoejaxLinear(XLA_FFI_CallFrame* call_frame);  // csrc/linear_cpu.cc
+
 static PyObject* registrations(PyObject*, PyObject*) {
   PyObject* dict = PyDict_New();
   if (!dict) return nullptr;
-  PyObject* capsule = PyCapsule_New(reinterpret_cast<void*>(&MoejaxRoutedExperts), nullptr, nullptr);
-  if (!capsule || PyDict_SetItemString(dict, "moejax_routed_experts", capsule) < 0) {
-    Py_XDECREF(capsule);
-    Py_DECREF(dict);
-    return nullptr;
+  const std::pair<const char*, void*> handlers[] = {
+      {"moejax_routed_experts", reinterpret_cast<void*>(&MoejaxRoutedExperts)},
+      {"moejax_linear", reinterpret_cast<void*>(&MoejaxLinear)},
+  };
+  for (const auto& [name, fn] : handlers) {
+    PyObject* capsule = PyCapsule_New(fn, nullptr, nullptr);
+    if (!capsule || PyDict_SetItemString(dict, name, capsule) < 0) {
+      Py_XDECREF(capsule);
+      Py_DECREF(dict);
+      return nullptr;
+    }
+    Py_DECREF(capsule);
   }
-  Py_DECREF(capsule);
   return dict;
 }
 

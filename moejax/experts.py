@@ -83,21 +83,30 @@ def shared_expert_ffn(
     float32: bool = False,
     lora: SharedLoRA | None = None,
     adapter: Array | None = None,
+    ops=None,
 ) -> Array:
     """The shared expert on all rows `x [T, H]` -> `[T, H]` float32, its sigmoid gate applied if it has one.
 
     `float32=True` computes in float32 whatever the weight dtype (the reference). `lora` (a stack's shared
     targets) and `adapter [T]` (the rows' ids) wrap the weights in a `moejax.lora.LoRAExpert` and add the rows'
-    deltas to the sigmoid gate's logit before it is rounded and squashed."""
+    deltas to the sigmoid gate's logit before it is rounded and squashed. `ops`: the layer's native matmuls
+    (`moejax.backends.native_layer.LayerOps`: its `shared_ffn` runs the FFN without adapters, its `matmul` the
+    gate's `x @ w`), or None for `ExpertWeights.ffn` and `jnp.dot`."""
     if float32:
         shared = jax.tree.map(lambda w: w.astype(jnp.float32), shared)
     w, ids = ExpertWeights(shared.gate, shared.up, shared.down), ()
     if lora is not None:
         w, ids = LoRAExpert(w, lora), (adapter,)
-    y = w.ffn(x, shared_activation(cfg), *ids)
+    if ops is not None and lora is None:
+        y = ops.shared_ffn(w, x, shared_activation(cfg))
+    else:
+        y = w.ffn(x, shared_activation(cfg), *ids)
     if shared.gate_kernel is not None:
         dtype = shared.gate.dtype
-        g = jnp.dot(x.astype(dtype), shared.gate_kernel.astype(dtype), preferred_element_type=jnp.float32)  # [T, 1]
+        if ops is None:
+            g = jnp.dot(x.astype(dtype), shared.gate_kernel.astype(dtype), preferred_element_type=jnp.float32)
+        else:
+            g = ops.matmul(x.astype(dtype), shared.gate_kernel.astype(dtype))  # [T, 1]
         if lora is not None:
             g = add_pair(g, lora.gate_kernel, x, adapter)
         y = jax.nn.sigmoid(g.astype(dtype).astype(jnp.float32)) * y

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from moejax.backends import IMPLS, resolve_impl, run_routed
+from moejax.backends.native_layer import LayerOps, layer_ops
 from moejax.backends.xla import grouped_block_rows
 from moejax.config import MoEConfig, ScalingTarget
 from moejax.dispatch import Dispatch, Local, Rows, mesh_of
@@ -168,7 +169,8 @@ def _pipeline(operands, rows, *, cfg, impl, dispatch, num_tokens, with_stats, wi
     lead = x.shape[:-1]
     flat = {name: value.reshape(-1, *value.shape[len(lead) :]) for name, value in rows.items() if name != "routing"}
     given = jax.tree.map(lambda a: a.reshape(-1, *a.shape[len(lead) :]), rows.get("routing"))
-    routing, x_e, slots = _expert_operands(params, lora, flat, given, cfg)
+    ops = layer_ops(impl)  # the router's and shared expert's matmuls natively on CPU (batch-invariant)
+    routing, x_e, slots = _expert_operands(params, lora, flat, given, cfg, ops)
     adapter = flat.get("adapter")
     step = ExpertStep(impl, params.experts, cfg, None if lora is None else lora.experts)
     routed, stats = dispatch.routed_sum(step, x_e, slots, routing, cfg=cfg, num_tokens=num_tokens)
@@ -182,6 +184,7 @@ def _pipeline(operands, rows, *, cfg, impl, dispatch, num_tokens, with_stats, wi
         reduce_shared=dispatch.reduce_shared,
         lora=None if lora is None else lora.shared,
         adapter=adapter,
+        ops=ops,
     )
     outputs = {"y": out.astype(x.dtype).reshape(x.shape)}
     if with_routing:
@@ -273,13 +276,15 @@ def _empty_routing(x: Array, cfg: MoEConfig) -> Routing:
     )
 
 
-def _expert_operands(params, lora, rows: dict[str, Array], routing: Routing | None, cfg: MoEConfig):
+def _expert_operands(params, lora, rows: dict[str, Array], routing: Routing | None, cfg: MoEConfig, ops=None):
     """Steps 1-2 of the pipeline on flat rows `[T, ...]`: the routing (the given one, else the router's, with the
-    router adapters of the rows' ids), the expert input `[T, H]` and the slots `[T, K]` (carrying the ids)."""
+    router adapters of the rows' ids), the expert input `[T, H]` and the slots `[T, K]` (carrying the ids).
+    `ops`: the native layer ops (`layer_ops`) or None."""
     adapter = rows.get("adapter")
     if routing is None:
         adapters = {} if lora is None else {"lora": lora.router, "adapter": adapter}
-        routing = route(params, rows["x"], cfg, rows.get("token_ids"), **adapters)
+        matmul = None if ops is None else ops.matmul
+        routing = route(params, rows["x"], cfg, rows.get("token_ids"), **adapters, matmul=matmul)
     return routing, expert_input(params, rows["x"], cfg), slots_from_routing(routing, cfg, adapter)
 
 
@@ -319,6 +324,7 @@ def add_once_terms(
     reduce_shared: Callable[[Array], Array] | None = None,
     lora: SharedLoRA | None = None,
     adapter: Array | None = None,
+    ops: LayerOps | None = None,
 ) -> Array:
     """Steps 3-5 of `moe_forward`: the terms added exactly once to the (fully reduced) routed sum `[T, H]`.
 
@@ -326,7 +332,7 @@ def add_once_terms(
     with `float32=True`, the reference). `reduce_shared` reduces the shared expert's partial sums when its
     intermediate axis is split (expert parallelism passes a psum; the gate multiplies each partial, exact because
     the reduction is linear). `lora`/`adapter`: the shared expert's adapters and the rows' ids
-    (`shared_expert_ffn`).
+    (`shared_expert_ffn`). `ops`: the native layer ops for the shared expert (`layer_ops`), or None.
     """
     out = routed
     if cfg.scaling_target is ScalingTarget.OUTPUT and cfg.routed_scaling_factor != 1.0:
@@ -334,7 +340,7 @@ def add_once_terms(
     if routing.zero_weight is not None:
         out = out + routing.zero_weight[:, None] * x_e.astype(jnp.float32)
     if shared is not None:
-        y = shared_expert_ffn(x_e, shared, cfg, float32=float32, lora=lora, adapter=adapter)  # [T, H]
+        y = shared_expert_ffn(x_e, shared, cfg, float32=float32, lora=lora, adapter=adapter, ops=ops)  # [T, H]
         out = out + (y if reduce_shared is None else reduce_shared(y))
     return out
 

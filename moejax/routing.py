@@ -23,6 +23,7 @@ variant that raises):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -69,10 +70,19 @@ def policy_dtype(policy: str, x: Array) -> jnp.dtype:
 
 
 def router_logits(
-    router: RouterParams, x: Array, cfg: MoEConfig, lora: LoRAPair | None = None, adapter: Array | None = None
+    router: RouterParams,
+    x: Array,
+    cfg: MoEConfig,
+    lora: LoRAPair | None = None,
+    adapter: Array | None = None,
+    *,
+    matmul: Callable[[Array, Array], Array] | None = None,
 ) -> Array:
     """Router logits `[T, N]` float32: accumulated in float32, bias added, rounded once to `cfg.router_dtype`
     (a bf16 Linear in the model dtype rounds its output once, after the bias).
+
+    `matmul(x, w) -> [T, N]` float32 computes `x @ W_router` (the pipeline passes the native, batch-invariant one
+    on CPU: `moejax.backends.native_layer`); None: `jnp.dot` accumulating in float32.
 
     `lora` (a stack's router target, `a [n+1, r, H]`) and `adapter [T]` (the rows' clamped ids): each row's
     delta `s·(x·Aᵀ)·Bᵀ` (float32) is added to the float32 logits before the bias and the rounding, so before
@@ -82,7 +92,10 @@ def router_logits(
         # Gemma-4: weightless RMSNorm, learned scale, and 1/sqrt(H) (a python float), in the input dtype.
         x = rms_normalize(x, cfg.rms_norm_eps) * router.scale.astype(x.dtype) * cfg.hidden_size**-0.5
     dtype = policy_dtype(cfg.router_dtype, x)
-    logits = jnp.dot(x.astype(dtype), router.kernel.astype(dtype), preferred_element_type=jnp.float32)
+    if matmul is None:
+        logits = jnp.dot(x.astype(dtype), router.kernel.astype(dtype), preferred_element_type=jnp.float32)
+    else:
+        logits = matmul(x.astype(dtype), router.kernel.astype(dtype))
     if lora is not None:
         logits = add_delta(logits, pair_delta(lora, x, adapter), adapter)
     if router.bias is not None:
@@ -163,7 +176,7 @@ def hash_indices(tid2eid: Array, token_ids: Array, cfg: MoEConfig) -> Array:
     return jnp.clip(tid2eid[rows].astype(jnp.int32), 0, cfg.num_selectable - 1)
 
 
-@cached_when_eager(static_argnames=("cfg",), host_id_args=("token_ids", "adapter"))
+@cached_when_eager(static_argnames=("cfg", "matmul"), host_id_args=("token_ids", "adapter"))
 def route(
     params,
     x: Array,
@@ -172,6 +185,7 @@ def route(
     *,
     lora: LoRAPair | None = None,
     adapter: Array | None = None,
+    matmul: Callable[[Array, Array], Array] | None = None,
 ) -> Routing:
     """Route tokens `x [T, H]` (or `[..., H]`, flattened) to `cfg.top_k` experts each.
 
@@ -182,6 +196,7 @@ def route(
       lora: the router target of a LoRA stack (`LoRAParams.router`), or None; its delta is added to the logits
         (`router_logits`), so it changes the selection.
       adapter: `[...]` int32 adapter ids of the rows (in range: `moejax.lora.clamp_ids`), with `lora`.
+      matmul: computes the logits' `x @ W_router` (`router_logits`); None: `jnp.dot`.
     Returns:
       `Routing` with `indices [T, K] int32`, `weights [T, K] float32`, `logits [T, N] float32`, and
       `zero_weight [T]` when the config has zero-computation experts.
@@ -194,7 +209,7 @@ def route(
         if adapter is None:
             raise ValueError("route: lora given without adapter (the rows' adapter ids)")
         adapter = adapter.reshape(-1)
-    logits = router_logits(router, x, cfg, lora, adapter)
+    logits = router_logits(router, x, cfg, lora, adapter, matmul=matmul)
     K = cfg.top_k
     if cfg.score_order is ScoreOrder.AFTER_TOPK:
         selected_logits, indices = jax.lax.top_k(logits, K)

@@ -12,8 +12,9 @@ Batch invariance by construction: every output element is one fixed chain of ope
 inputs and the weights (csrc/kernels.inc), so a row's bits do not depend on T, its position, its neighbours or
 the number of threads.
 
-The extension is optional (setup.py); `available()` says whether it is built and loaded.
-MOEJAX_NATIVE=0 in the environment hides it at run time (then `impl="auto"` runs the XLA plans).
+The extension is optional (setup.py); `available()` says whether it is built, loaded and enabled.
+`enable(False)` hides it (then `impl="auto"` runs the XLA plans); MOEJAX_NATIVE=0 in the environment is the
+initial default (read when the extension is first looked up).
 """
 
 from __future__ import annotations
@@ -42,10 +43,29 @@ _REGISTERED: set[str] = set()
 _SCALE_DTYPES = {"int": "float32", "fp8_block": "float32", "mxfp4": "uint8", "nvfp4": "float8_e4m3fn"}
 
 
+_enabled: bool | None = None  # set by `enable`; None: the environment's MOEJAX_NATIVE (default on)
+
+
+def enable(on: bool | None = True) -> None:
+    """Use the native kernels where they are built (True), or hide them (False: `available()` is False, `impl="auto"`
+    runs the XLA plans, `impl="native"` raises `NotImplementedError`); None: back to the environment's default
+    (MOEJAX_NATIVE=0: off). The choice is made while tracing, so this clears JAX's caches of traced and compiled
+    programs (`jax.clear_caches`): every later call, eager or jitted, follows it."""
+    global _enabled
+    _enabled = on if on is None else bool(on)
+    _module.cache_clear()
+    jax.clear_caches()
+
+
+def enabled() -> bool:
+    """Whether the native kernels are switched on (`enable`), built or not."""
+    return _enabled if _enabled is not None else os.environ.get("MOEJAX_NATIVE", "1") != "0"
+
+
 @functools.cache
 def _module():
-    """The loaded extension with its FFI target registered, or None (not built, or hidden by MOEJAX_NATIVE=0)."""
-    if os.environ.get("MOEJAX_NATIVE", "1") == "0":
+    """The loaded extension with its FFI targets registered, or None (not built, or switched off: `enable`)."""
+    if not enabled():
         return None
     try:
         module = importlib.import_module("moejax._native_cpu")

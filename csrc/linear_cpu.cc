@@ -1,0 +1,246 @@
+// moejax's batch-invariant linear layer on CPU: y[T, N] = x[T, K] @ W[K, N] (+ b[N]) as one XLA FFI handler.
+//
+// Used for what the MoE layer computes besides the routed experts: the router logits (x @ W_router) and the
+// shared expert's sigmoid gate (x @ w). x and y are float32; W is read as stored ([in, out], float32, bfloat16 or
+// float16, converted exactly to float32 in registers).
+//
+// Reduction order (what makes a row's bits independent of T, its position, its neighbours and the threads):
+// every y[t, n] is one chain `acc = 0; for k in 0..K-1: acc = fma(x[t, k], W[k, n], acc)` (the portable variant:
+// a product then a sum), then `acc + b[n]`. Vector lanes hold columns and registers hold rows, so blocking over
+// rows and columns, the work split and the thread count change only which register holds a chain, never its
+// order.
+//
+// Threads: work items (block of rows x chunk of columns) taken from an atomic counter by XLA's intra-op pool
+// (the FFI's ThreadPool context) and the calling thread, the same scheme as moe_cpu.cc.
+//
+// ISA: the kernel is compiled twice, as linear::avx2 (`#pragma GCC target("avx2,fma,f16c")`) and
+// linear::generic (baseline flags, any CPU); the variant is chosen once at load, MOEJAX_NATIVE_ISA=generic (or
+// the call's `portable` attribute) forces the portable one.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define LINEAR_X86 1
+#include <immintrin.h>
+#else
+#define LINEAR_X86 0
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace linear {
+
+enum WeightType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+static inline float bits_f32(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+static inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const int exp = (h >> 10) & 31;
+  const uint32_t man = h & 1023;
+  float v;
+  if (exp == 0) v = static_cast<float>(man) * (1.0f / 16777216.0f);  // man * 2^-24, exact
+  else if (exp == 31) v = bits_f32(0x7f800000u | (man << 13));      // inf or NaN
+  else v = bits_f32((static_cast<uint32_t>(exp + 112) << 23) | (man << 13));
+  return sign ? -v : v;
+}
+
+// One call's operands.
+struct Problem {
+  const float* x = nullptr;     // [T, K]
+  const uint8_t* w = nullptr;   // [K, N] of `wtype`
+  const float* bias = nullptr;  // [N] or null
+  float* y = nullptr;           // [T, N]
+  int T = 0, K = 0, N = 0, wtype = kF32;
+};
+
+constexpr int kRows = 4;      // rows per register block
+constexpr int kTile = 16;     // columns per register block (two 8-lane vectors)
+constexpr int kRowItem = 32;  // rows per work item
+constexpr int kColItem = 64;  // columns per work item
+
+using Kernel = void (*)(const Problem&, int t0, int t1, int c0, int c1);
+
+namespace generic {
+struct V {
+  float f[8];
+};
+static inline V vzero() { return V{{0, 0, 0, 0, 0, 0, 0, 0}}; }
+static inline V vset1(float a) { return V{{a, a, a, a, a, a, a, a}}; }
+static inline V vloadf(const float* p) {
+  V r;
+  std::memcpy(r.f, p, sizeof(r.f));
+  return r;
+}
+static inline void vstore(float* p, V a) { std::memcpy(p, a.f, sizeof(a.f)); }
+static inline V vfma(V a, V b, V c) {  // a product then a sum (compiled with -ffp-contract=off)
+  V r;
+  for (int l = 0; l < 8; ++l) r.f[l] = a.f[l] * b.f[l] + c.f[l];
+  return r;
+}
+static inline V vbf16(const uint8_t* p) {
+  V r;
+  for (int l = 0; l < 8; ++l) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * l, 2);
+    r.f[l] = bits_f32(static_cast<uint32_t>(h) << 16);
+  }
+  return r;
+}
+static inline V vf16(const uint8_t* p) {
+  V r;
+  for (int l = 0; l < 8; ++l) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * l, 2);
+    r.f[l] = f16_to_f32(h);
+  }
+  return r;
+}
+#include "linear_kernel.inc"
+}  // namespace generic
+
+#if LINEAR_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+namespace avx2 {
+using V = __m256;
+static inline V vzero() { return _mm256_setzero_ps(); }
+static inline V vset1(float a) { return _mm256_set1_ps(a); }
+static inline V vloadf(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a); }
+static inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+static inline V vbf16(const uint8_t* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+static inline V vf16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#include "linear_kernel.inc"
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
+
+// The kernel per weight type of the best variant for this CPU (MOEJAX_NATIVE_ISA=generic: the portable one).
+static const Kernel* best_kernels() {
+  static const Kernel* chosen = [] {
+    const char* want = std::getenv("MOEJAX_NATIVE_ISA");
+    if (want && std::string(want) == "generic") return generic::kKernels;
+#if LINEAR_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+      return avx2::kKernels;
+#endif
+    return generic::kKernels;
+  }();
+  return chosen;
+}
+
+// -- threads (the scheme of moe_cpu.cc) -----------------------------------------------------------------------
+struct ParallelState {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t n = 0;
+  std::function<void(int64_t)> fn;
+
+  void work() {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// fn(0..n-1) on the pool's threads and the calling thread; returns when all n have run. A scheduled task that
+// starts after the call ended finds no item and touches nothing but the shared state it holds.
+static void parallel_for(ffi::ThreadPool* pool, int64_t n, int max_threads, std::function<void(int64_t)> fn) {
+  if (n <= 0) return;
+  auto state = std::make_shared<ParallelState>();
+  state->n = n;
+  state->fn = std::move(fn);
+  int64_t helpers = pool ? std::min<int64_t>(pool->num_threads(), n - 1) : 0;
+  if (max_threads > 0) helpers = std::min<int64_t>(helpers, max_threads - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool->Schedule([state] { state->work(); });
+  state->work();
+  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+static ffi::Error LinearCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                             ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> y, int64_t max_threads,
+                             int64_t portable) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1])
+    return ffi::Error::InvalidArgument("moejax linear: x [T, K] and W [K, N]");
+  Problem p;
+  switch (w.element_type()) {
+    case ffi::DataType::F32: p.wtype = kF32; break;
+    case ffi::DataType::BF16: p.wtype = kBF16; break;
+    case ffi::DataType::F16: p.wtype = kF16; break;
+    default: return ffi::Error::InvalidArgument("moejax linear: W must be float32, bfloat16 or float16");
+  }
+  p.T = static_cast<int>(xd[0]);
+  p.K = static_cast<int>(xd[1]);
+  p.N = static_cast<int>(wd[1]);
+  if (bias.element_count() != 0 && bias.element_count() != static_cast<size_t>(p.N))
+    return ffi::Error::InvalidArgument("moejax linear: bias must be [N] or empty");
+  const auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[1]) return ffi::Error::InvalidArgument("moejax linear: y [T, N]");
+  p.x = x.typed_data();
+  p.w = static_cast<const uint8_t*>(w.untyped_data());
+  p.bias = bias.element_count() ? bias.typed_data() : nullptr;
+  p.y = y->typed_data();
+  const Kernel kernel = (portable ? generic::kKernels : best_kernels())[p.wtype];
+  const int row_items = (p.T + kRowItem - 1) / kRowItem, col_items = (p.N + kColItem - 1) / kColItem;
+  parallel_for(&pool, static_cast<int64_t>(row_items) * col_items, static_cast<int>(max_threads), [&](int64_t i) {
+    const int t0 = static_cast<int>(i / col_items) * kRowItem, c0 = static_cast<int>(i % col_items) * kColItem;
+    kernel(p, t0, std::min(p.T, t0 + kRowItem), c0, std::min(p.N, c0 + kColItem));
+  });
+  return ffi::Error::Success();
+}
+
+// The handler: LinearCall, with a C++ exception (a failed allocation) returned as an error to XLA instead of
+// unwinding through the FFI's C boundary.
+static ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                             ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> y, int64_t max_threads,
+                             int64_t portable) {
+  try {
+    return LinearCall(pool, x, w, bias, y, max_threads, portable);
+  } catch (const std::exception& err) {
+    return ffi::Error::Internal(std::string("moejax linear: ") + err.what());
+  }
+}
+
+}  // namespace linear
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLinear, linear::LinearImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
+                                  .Arg<ffi::AnyBuffer>()         // W [K, N] float32 / bfloat16 / float16
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // bias [N] or [0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
+                                  .Attr<int64_t>("max_threads")
+                                  .Attr<int64_t>("portable"));

@@ -1,0 +1,138 @@
+"""The rest of the MoE layer on the native CPU kernels: the router's and the shared expert's matmuls, so that a
+row's whole-layer output is bit-identical whatever the batch around it (docs/DESIGN.md, "Batch invariance").
+
+XLA:CPU's dot changes its kernel, and with it the order of each output's sum, with the number of rows, so the
+router logits and the shared expert of a row alone differ in the last bits from the same row in a batch (and a
+changed logit can change the routing). On CPU, when the native extension is built and the routed experts'
+backend is "native" or "auto" (`layer_ops`), the layer runs:
+
+* `matmul`: `x [T, K] @ w [K, N]` float32 by one FFI call into csrc/linear_cpu.cc (every output one fixed chain
+  of fused multiply-adds over k): the router logits `x @ W_router` and the shared expert's sigmoid gate `x @ w`.
+* `shared_ffn`: the shared expert's FFN as one expert of the routed-experts FFI call (csrc/moe_cpu.cc), every row
+  with weight 1.0 (`0 + 1.0 · y` is y exactly).
+
+Each is chosen while lowering (`native.on_cpu`): a GPU or TPU program runs the XLA path, unchanged. Both run under
+a `jax.custom_vjp` whose backward is the VJP of the XLA path, so gradients are the XLA path's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.backends import native
+from moejax.experts import Slots
+from moejax.weights import ExpertWeights
+from pallas_kernels.activations import GatedActivation
+
+Array = jax.Array
+LINEAR = "moejax_linear"
+_WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def linear(x: Array, w: Array, bias: Array | None = None, *, max_threads: int = 0, portable: bool = False) -> Array:
+    """`x @ w (+ bias)` `[T, N]` float32 by the native kernel, batch-invariant (csrc/linear_cpu.cc).
+
+    Args:
+      x: `[T, K]` float32, bfloat16 or float16 (converted to float32, exactly).
+      w: `[K, N]` float32, bfloat16 or float16, read as stored.
+      bias: `[N]` (converted to float32) added to each output's sum, or None.
+      max_threads: at most this many threads (the caller's included); 0: the whole intra-op pool.
+      portable: the portable C++ variant instead of the best for this CPU (tests).
+
+    Raises:
+      NotImplementedError: the extension is not built or not enabled.
+      ValueError: shapes or dtypes that do not fit, naming the argument.
+    """
+    if not native.available():
+        raise NotImplementedError("the native CPU kernels are not built or not enabled (moejax._native_cpu)")
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"native linear: x must be [T, K] and w [K, N], got {x.shape=} {w.shape=}")
+    for name, value in (("x", x), ("w", w)):
+        if jnp.dtype(value.dtype) not in _WEIGHT_DTYPES:
+            raise ValueError(f"native linear: {name} must be float32, bfloat16 or float16, got {value.dtype}")
+    if bias is not None and tuple(bias.shape) != (w.shape[1],):
+        raise ValueError(f"native linear: bias must be [N]=({w.shape[1]},), got {bias.shape}")
+    bias = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32)
+    call = jax.ffi.ffi_call(LINEAR, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
+    flags = {"max_threads": np.int64(max_threads), "portable": np.int64(bool(portable))}
+    return call(x.astype(jnp.float32), w, bias, **flags)
+
+
+def xla_matmul(x: Array, w: Array) -> Array:
+    """`x @ w` `[T, N]` float32 by XLA (accumulated in float32): the path off CPU and the backward's."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def matmul(x: Array, w: Array) -> Array:
+    """`x [T, K] @ w [K, N]` `[T, N]` float32 (x and w in one dtype, accumulated in float32): `linear` in a
+    program lowered for the CPU, `xla_matmul` elsewhere; gradients are `xla_matmul`'s."""
+    return native.on_cpu(lambda x, w: linear(x, w, max_threads=_MAX_THREADS), xla_matmul, x, w)
+
+
+def _matmul_fwd(x, w):
+    return matmul(x, w), (x, w)
+
+
+def _matmul_bwd(residuals, cotangent):
+    return jax.vjp(xla_matmul, *residuals)[1](cotangent)
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def shared_ffn(w: ExpertWeights, x: Array, act: GatedActivation) -> Array:
+    """The shared expert's gated FFN on all rows `x [T, H]` -> `[T, H]` float32.
+
+    `w`: one expert's dense weights (`[H, Is]`, `[H, Is]`, `[Is, H]`, no expert axis). On CPU one routed-experts
+    FFI call with `w` as the only expert and every row's weight 1.0; elsewhere (and for the backward) `w.ffn`, the
+    XLA path."""
+
+    @jax.custom_vjp
+    def ffn(w, x):
+        return native.on_cpu(_native_ffn, _xla_ffn, w, x)
+
+    def _native_ffn(w, x):
+        stacked = jax.tree.map(lambda a: a[None], w)  # [1, ...]: a bitcast, read in place
+        T = x.shape[0]
+        slots = Slots(jnp.zeros((T, 1), jnp.int32), jnp.ones((T, 1), jnp.float32))
+        return native.routed_experts(stacked, x, slots, act, max_threads=_MAX_THREADS)
+
+    def _xla_ffn(w, x):
+        return w.ffn(x, act)
+
+    def fwd(w, x):
+        return ffn(w, x), (w, x)
+
+    def bwd(residuals, cotangent):
+        return jax.vjp(_xla_ffn, *residuals)[1](cotangent)
+
+    ffn.defvjp(fwd, bwd)
+    return ffn(w, x)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOps:
+    """The layer's matmuls besides the routed experts, as the pipeline passes them down: `matmul(x, w)` for the
+    router logits and the shared expert's gate, `shared_ffn(w, x, act)` for the shared expert's FFN."""
+
+    matmul: Callable[[Array, Array], Array] = matmul
+    shared_ffn: Callable[[ExpertWeights, Array, GatedActivation], Array] = shared_ffn
+
+
+# At most this many threads in the layer's native calls (0: XLA's whole intra-op pool); read while tracing. Tests
+# set it to compare one thread with the pool.
+_MAX_THREADS = 0
+
+
+def layer_ops(impl: str) -> LayerOps | None:
+    """The native layer ops when `impl` runs the routed experts natively where it can ("auto", "native") and the
+    extension is built and enabled; None: the XLA path (`jnp.dot`, `ExpertWeights.ffn`), unchanged."""
+    if impl not in ("auto", "native") or not native.available():
+        return None
+    return LayerOps()
