@@ -128,6 +128,10 @@ static inline float e8m0_to_f32(uint8_t s) {
   return bits_f32(static_cast<uint32_t>(s) << 23);
 }
 
+static int g_exp = 0;  // TEMP experiment switch
+// A read prefetch into all cache levels (never faults, whatever the address).
+static inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
 // One [in, out] projection of one expert (moejax.quantized's layout; dense [in, out] uses q and n_in only).
 struct InOut {
   const uint8_t* q = nullptr;      // codes (4-bit: [in/2, out] nibble pairs) or dense weights
@@ -365,8 +369,8 @@ static void build_routing(Job& job, const float* x, const int32_t* idx, const fl
     if (slot_rep[s] >= 0) job.slot_pair[s] = start[idx[s]] + slot_rep[s];
 }
 
-// Column chunk widths: [out, in] weights 16 outputs (16 weight rows per projection); [in, out] weights about 512
-// bytes of each weight row.
+// Column chunk widths: [out, in] weights 16 outputs (16 weight rows per projection); [in, out] weights a few
+// strips of kStrip columns (small enough that a layer's items keep every thread busy).
 static int chunk_width(int fmt) {
   switch (fmt) {
     case kFusedF32:
@@ -379,7 +383,7 @@ static int chunk_width(int fmt) {
     case kDenseF16:
       return 256;
     default:
-      return 512;
+      return 256;
   }
 }
 
@@ -551,7 +555,13 @@ static PyObject* set_isa(PyObject*, PyObject* arg) {
   return PyUnicode_FromString(moe::g_isa.load());
 }
 
+static PyObject* set_exp(PyObject*, PyObject* arg) {
+  moe::g_exp = static_cast<int>(PyLong_AsLong(arg));
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef kMethods[] = {
+    {"set_exp", set_exp, METH_O, "TEMP"},
     {"registrations", registrations, METH_NOARGS, "{target name: PyCapsule of its XLA FFI handler}"},
     {"isa", isa, METH_NOARGS, "the instruction set of the kernels chosen at load ('avx2' or 'generic')"},
     {"set_isa", set_isa, METH_O, "set_isa('generic' | 'best') -> the instruction set now used"},
