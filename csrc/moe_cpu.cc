@@ -273,7 +273,9 @@ static void parallel_for(ffi::ThreadPool* pool, int64_t n, int max_threads, std:
   auto state = std::make_shared<ParallelState>();
   state->n = n;
   state->fn = std::move(fn);
-  int64_t helpers = pool ? std::min<int64_t>(pool->num_threads(), n - 1) : 0;
+  // The pool's size is the core count: the caller plus num_threads - 1 helpers fill the cores (one more would
+  // only time-slice with them, whether or not the caller is itself a pool thread).
+  int64_t helpers = pool ? std::min<int64_t>(pool->num_threads() - ((g_exp & 16) ? 0 : 1), n - 1) : 0;
   if (max_threads > 0) helpers = std::min<int64_t>(helpers, max_threads - 1);
   for (int64_t i = 0; i < helpers; ++i) pool->Schedule([state] { state->work(); });
   state->work();
