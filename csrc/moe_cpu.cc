@@ -476,28 +476,24 @@ static ffi::Error MoeExpertsCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
   return ffi::Error::Success();
 }
 
-// The handler: MoeExpertsCall, with a failed allocation of the call's buffers returned as an error to XLA
-// instead of unwinding through the FFI's C boundary.
-static ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
-                                 ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> in_scale,
-                                 ffi::Buffer<ffi::F32> gate_up_bias, ffi::Buffer<ffi::F32> down_bias,
-                                 ffi::Buffer<ffi::F32> scale2, ffi::RemainingArgs weights,
-                                 ffi::ResultBuffer<ffi::F32> out, int64_t fmt, int64_t num_experts,
-                                 int64_t intermediate, int64_t group, int64_t fields_per_proj, int64_t per_expert,
-                                 int64_t act_kind, int64_t has_limit, float limit, float alpha, int64_t clamp_after,
-                                 int64_t max_threads) {
-  try {
-    return MoeExpertsCall(pool, x, idx, weight, in_scale, gate_up_bias, down_bias, scale2, weights, out, fmt,
-                          num_experts, intermediate, group, fields_per_proj, per_expert, act_kind, has_limit, limit,
-                          alpha, clamp_after, max_threads);
-  } catch (const std::exception& err) {
-    return ffi::Error::Internal(std::string("moejax native: ") + err.what());
+// A handler that returns an exception thrown by F (a failed allocation of the call's buffers) as an error to
+// XLA instead of unwinding through the FFI's C boundary; the signature is F's.
+template <auto F>
+struct NoThrow;
+template <typename... Args, ffi::Error (*F)(Args...)>
+struct NoThrow<F> {
+  static ffi::Error Call(Args... args) {
+    try {
+      return F(args...);
+    } catch (const std::exception& err) {
+      return ffi::Error::Internal(std::string("moejax native: ") + err.what());
+    }
   }
-}
+};
 
 }  // namespace moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExperts, moe::MoeExpertsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExperts, moe::NoThrow<moe::MoeExpertsCall>::Call,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, H]
