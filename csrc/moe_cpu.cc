@@ -128,7 +128,15 @@ static inline float e8m0_to_f32(uint8_t s) {
   return bits_f32(static_cast<uint32_t>(s) << 23);
 }
 
-static int g_exp = 0;  // TEMP experiment switch
+// Full unrolling of the small fixed loops over register blocks (keeps GCC's accumulator arrays in registers).
+#if defined(__clang__)
+#define MOE_UNROLL _Pragma("clang loop unroll(full)")
+#elif defined(__GNUC__)
+#define MOE_UNROLL _Pragma("GCC unroll 16")
+#else
+#define MOE_UNROLL
+#endif
+
 // A read prefetch into all cache levels (never faults, whatever the address).
 static inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
@@ -275,7 +283,7 @@ static void parallel_for(ffi::ThreadPool* pool, int64_t n, int max_threads, std:
   state->fn = std::move(fn);
   // The pool's size is the core count: the caller plus num_threads - 1 helpers fill the cores (one more would
   // only time-slice with them, whether or not the caller is itself a pool thread).
-  int64_t helpers = pool ? std::min<int64_t>(pool->num_threads() - ((g_exp & 16) ? 0 : 1), n - 1) : 0;
+  int64_t helpers = pool ? std::min<int64_t>(pool->num_threads() - 1, n - 1) : 0;
   if (max_threads > 0) helpers = std::min<int64_t>(helpers, max_threads - 1);
   for (int64_t i = 0; i < helpers; ++i) pool->Schedule([state] { state->work(); });
   state->work();
@@ -553,13 +561,7 @@ static PyObject* set_isa(PyObject*, PyObject* arg) {
   return PyUnicode_FromString(moe::g_isa.load());
 }
 
-static PyObject* set_exp(PyObject*, PyObject* arg) {
-  moe::g_exp = static_cast<int>(PyLong_AsLong(arg));
-  Py_RETURN_NONE;
-}
-
 static PyMethodDef kMethods[] = {
-    {"set_exp", set_exp, METH_O, "TEMP"},
     {"registrations", registrations, METH_NOARGS, "{target name: PyCapsule of its XLA FFI handler}"},
     {"isa", isa, METH_NOARGS, "the instruction set of the kernels chosen at load ('avx2' or 'generic')"},
     {"set_isa", set_isa, METH_O, "set_isa('generic' | 'best') -> the instruction set now used"},
