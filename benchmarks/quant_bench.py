@@ -3,12 +3,14 @@
     JAX_PLATFORMS=cpu python benchmarks/quant_bench.py [--layer qwen3-30b-a3b] [--formats int8 int4 ...] [--rounds 20]
     JAX_PLATFORMS=cpu python benchmarks/quant_bench.py --impls native cpu   # the native kernels next to the CPU plans
     JAX_PLATFORMS=cpu python benchmarks/quant_bench.py --products [--rounds 15]
+    JAX_PLATFORMS=cpu python benchmarks/quant_bench.py --torch-peer [--rounds 15]   # torch's weight-only kernels
 
 Each format is timed on the per-expert layout with each backend of --impls (default `auto`: the native kernels when
 built, else the CPU plans; the backend that ran is printed): dense bfloat16 with bfloat16 x, the others with
 float32 x; a new random token each round. Rounds interleave the formats and backends, so the load of a shared CPU
 falls on all of them alike. Prints the minimum and median step time, the median relative to dense bfloat16 on the
-same backend, and the bytes of the routed experts relative to bfloat16.
+same backend, the minimum relative to float32's on the same backend (the issue's decode targets), and the bytes of
+the routed experts relative to bfloat16.
 
 `--products`: the one-row product forms tried for the quantized decode, at the layer's gate|up shape `[H] x [H, 2I]`
 (16 different experts' weights per call, so reads do not come from L1/L2), against the dense bfloat16 dot the plan
@@ -173,6 +175,51 @@ def time_products(cfg, rounds: int, experts: int = 16) -> None:
         print(f"{row} | {min(t) / min(base):.2f} |", flush=True)
 
 
+def time_torch_peer(cfg, rounds: int, experts: int = 32) -> None:
+    """`--torch-peer`: torch's weight-only CPU kernels (`_weight_int8pack_mm`: int8 per output channel;
+    `_weight_int4pack_mm_for_cpu`: int4, groups of 128) on one decode step (T=1) of the layer's routed experts: top_k
+    of `experts` random experts (more than the L3 holds), gate|up -> SiLU -> down -> weighted sum, float32 and
+    bfloat16 activations, `torch.set_num_threads(2)`; min and median ms over `rounds` rounds."""
+    import torch  # the `peers` extra
+
+    torch.set_num_threads(2)
+    H, I, K = cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+    gen = torch.Generator().manual_seed(0)
+
+    def int8(n, k):
+        return torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen), torch.rand(n, generator=gen) / 256
+
+    def int4(n, k, group=128):
+        codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+        scales = torch.rand(k // group, n, generator=gen) / 16
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2), torch.stack([scales, 8 * scales], -1)
+
+    kinds = {
+        "int8": (int8, lambda x, w: torch.ops.aten._weight_int8pack_mm(x, w[0], w[1].to(x.dtype))),
+        "int4": (int4, lambda x, w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[0], 128, w[1].to(x.dtype))),
+    }
+    print(f"torch {torch.__version__} weight-only kernels, decode T=1 of {K} of {experts} experts, {rounds} rounds")
+    print("| format | x dtype | min ms | median ms |\n|---|---|---|---|")
+    for name, (make, mm) in kinds.items():
+        weights = [(make(2 * I, H), make(H, I)) for _ in range(experts)]
+        for dtype in (torch.float32, torch.bfloat16):
+            times = []
+            with torch.inference_mode():
+                for _ in range(rounds + 1):
+                    x = torch.randn(1, H, generator=gen).to(dtype)
+                    chosen = torch.randperm(experts, generator=gen)[:K].tolist()
+                    t0 = time.perf_counter()
+                    y = torch.zeros(1, H, dtype=dtype)
+                    for e in chosen:
+                        gu = mm(x, weights[e][0])
+                        y += 0.125 * mm(torch.nn.functional.silu(gu[:, :I]) * gu[:, I:], weights[e][1])
+                    times.append(time.perf_counter() - t0)
+            t = times[1:]
+            print(
+                f"| {name} | {str(dtype).split('.')[1]} | {min(t) * 1e3:.2f} | {np.median(t) * 1e3:.2f} |", flush=True
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layer", default="qwen3-30b-a3b", choices=sorted(MODEL_LAYERS))
@@ -180,10 +227,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--impls", nargs="+", default=["auto"], choices=moejax.backends.IMPLS, help="backends")
     parser.add_argument("--products", action="store_true", help="time one-row product variants instead")
+    parser.add_argument("--torch-peer", action="store_true", help="time torch's weight-only int8/int4 kernels instead")
     args = parser.parse_args()
     cfg = MODEL_LAYERS[args.layer]
     if args.products:
         time_products(cfg, args.rounds)
+        return
+    if args.torch_peer:
+        time_torch_peer(cfg, args.rounds)
         return
     bf16_bytes = 3 * cfg.num_experts * cfg.hidden_size * cfg.intermediate_size * 2
     print(f"{args.layer}: H={cfg.hidden_size} E={cfg.num_experts} K={cfg.top_k} I={cfg.intermediate_size}, T=1")
@@ -205,10 +256,11 @@ def main() -> None:
             step(params, xt, impl).block_until_ready()
             times.append(time.perf_counter() - t0)
     print(f"{'format':10s} {'backend':>10s} {'memory/bf16':>11s} {'x dtype':>8s} {'min ms':>8s} {'median ms':>9s} "
-          f"{'median/bf16':>11s}")  # fmt: skip
+          f"{'median/bf16':>11s} {'min/f32':>8s}")  # fmt: skip
     for (name, impl), (_, x_dtype, mem, ran, times) in cases.items():
-        base = cases.get(("bfloat16", impl))
-        ratio = f"{np.median(times) / np.median(base[4]):11.2f}" if base else ""
+        base, f32 = cases.get(("bfloat16", impl)), cases.get(("float32", impl))
+        ratio = f"{np.median(times) / np.median(base[4]):11.2f}" if base else f"{'':11s}"
+        ratio += f" {min(times) / min(f32[4]):8.2f}" if f32 else ""
         row = f"{name:10s} {ran:>10s} {mem:11.3f} {jnp.dtype(x_dtype).name:>8s} {min(times) * 1e3:8.2f}"
         print(f"{row} {np.median(times) * 1e3:9.2f} {ratio}", flush=True)
 

@@ -128,6 +128,18 @@ static inline float e8m0_to_f32(uint8_t s) {
   return bits_f32(static_cast<uint32_t>(s) << 23);
 }
 
+// Full unrolling of the small fixed loops over register blocks (keeps GCC's accumulator arrays in registers).
+#if defined(__clang__)
+#define MOE_UNROLL _Pragma("clang loop unroll(full)")
+#elif defined(__GNUC__)
+#define MOE_UNROLL _Pragma("GCC unroll 16")
+#else
+#define MOE_UNROLL
+#endif
+
+// A read prefetch into all cache levels (never faults, whatever the address).
+static inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
 // One [in, out] projection of one expert (moejax.quantized's layout; dense [in, out] uses q and n_in only).
 struct InOut {
   const uint8_t* q = nullptr;      // codes (4-bit: [in/2, out] nibble pairs) or dense weights
@@ -269,7 +281,9 @@ static void parallel_for(ffi::ThreadPool* pool, int64_t n, int max_threads, std:
   auto state = std::make_shared<ParallelState>();
   state->n = n;
   state->fn = std::move(fn);
-  int64_t helpers = pool ? std::min<int64_t>(pool->num_threads(), n - 1) : 0;
+  // The pool's size is the core count: the caller plus num_threads - 1 helpers fill the cores (one more would
+  // only time-slice with them, whether or not the caller is itself a pool thread).
+  int64_t helpers = pool ? std::min<int64_t>(pool->num_threads() - 1, n - 1) : 0;
   if (max_threads > 0) helpers = std::min<int64_t>(helpers, max_threads - 1);
   for (int64_t i = 0; i < helpers; ++i) pool->Schedule([state] { state->work(); });
   state->work();
@@ -365,8 +379,8 @@ static void build_routing(Job& job, const float* x, const int32_t* idx, const fl
     if (slot_rep[s] >= 0) job.slot_pair[s] = start[idx[s]] + slot_rep[s];
 }
 
-// Column chunk widths: [out, in] weights 16 outputs (16 weight rows per projection); [in, out] weights about 512
-// bytes of each weight row.
+// Column chunk widths: [out, in] weights 16 outputs (16 weight rows per projection); [in, out] weights a few
+// strips of kStrip columns (small enough that a layer's items keep every thread busy).
 static int chunk_width(int fmt) {
   switch (fmt) {
     case kFusedF32:
@@ -379,7 +393,7 @@ static int chunk_width(int fmt) {
     case kDenseF16:
       return 256;
     default:
-      return 512;
+      return 256;
   }
 }
 
@@ -470,28 +484,24 @@ static ffi::Error MoeExpertsCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
   return ffi::Error::Success();
 }
 
-// The handler: MoeExpertsCall, with a failed allocation of the call's buffers returned as an error to XLA
-// instead of unwinding through the FFI's C boundary.
-static ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
-                                 ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> in_scale,
-                                 ffi::Buffer<ffi::F32> gate_up_bias, ffi::Buffer<ffi::F32> down_bias,
-                                 ffi::Buffer<ffi::F32> scale2, ffi::RemainingArgs weights,
-                                 ffi::ResultBuffer<ffi::F32> out, int64_t fmt, int64_t num_experts,
-                                 int64_t intermediate, int64_t group, int64_t fields_per_proj, int64_t per_expert,
-                                 int64_t act_kind, int64_t has_limit, float limit, float alpha, int64_t clamp_after,
-                                 int64_t max_threads) {
-  try {
-    return MoeExpertsCall(pool, x, idx, weight, in_scale, gate_up_bias, down_bias, scale2, weights, out, fmt,
-                          num_experts, intermediate, group, fields_per_proj, per_expert, act_kind, has_limit, limit,
-                          alpha, clamp_after, max_threads);
-  } catch (const std::exception& err) {
-    return ffi::Error::Internal(std::string("moejax native: ") + err.what());
+// A handler that returns an exception thrown by F (a failed allocation of the call's buffers) as an error to
+// XLA instead of unwinding through the FFI's C boundary; the signature is F's.
+template <auto F>
+struct NoThrow;
+template <typename... Args, ffi::Error (*F)(Args...)>
+struct NoThrow<F> {
+  static ffi::Error Call(Args... args) {
+    try {
+      return F(args...);
+    } catch (const std::exception& err) {
+      return ffi::Error::Internal(std::string("moejax native: ") + err.what());
+    }
   }
-}
+};
 
 }  // namespace moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExperts, moe::MoeExpertsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExperts, moe::NoThrow<moe::MoeExpertsCall>::Call,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, H]

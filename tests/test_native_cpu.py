@@ -213,6 +213,62 @@ def test_prefill_many_rows_matches_oracle():
     _assert_close(got, _oracle(dense, x, slots, act), "prefill")
 
 
+@built
+def test_long_inputs_and_partial_strips_match_oracle():
+    """Segments split at kBlockIn (per-channel int8 over 288 inputs), 75 = 64 + 11 output columns (a partial strip
+    and vector) and the prefill kernel's K blocks (300 inputs: 256 + 40 + a tail of 4) against the oracle; rows
+    alone (few-row kernel) bit-identical to the same rows in a batch (K-blocked kernel)."""
+    T, K, E = 24, 2, 3
+    act = ACTIVATIONS["silu"]
+    int8 = Q.format_by_name("int8", group_size=None, symmetric=False)
+    cases = {
+        "int8_channel_asym": (Q.quantize_experts(_dense(E, 288, 75, bias=True), int8), 288),
+        "float32_per_expert": (_fused_per_expert(_dense(E, 300, 21)), 300),
+        "bfloat16_per_expert": (_fused_per_expert(_dense(E, 300, 21, "bfloat16")), 300),
+    }
+    run = jax.jit(lambda e, x, s: native.routed_experts(e, x, s, act))
+    for name, (experts, H) in cases.items():
+        x, slots = _x(T, H, 5), _slots(T, K, E, 5, skipped=False)
+        got = np.asarray(run(experts, x, slots))
+        stacked = _unfuse(experts) if isinstance(experts, PerExpert) else experts
+        _assert_close(got, _oracle(stacked, x, slots, act), name)
+        for t in (0, T - 1):
+            alone = run(experts, x[t : t + 1], Slots(slots.indices[t : t + 1], slots.out_weight[t : t + 1]))
+            np.testing.assert_array_equal(np.asarray(alone)[0], got[t], err_msg=f"{name} row {t}")
+
+
+@built
+def test_special_codes_match_dequantize_then_reference():
+    """Every e4m3 byte (subnormals exact, 0x7f/0xff NaN) as FP8 codes, and an e8m0 scale of 255 (NaN) in MXFP4: NaN
+    where the dequantized reference has NaN, the oracle's values elsewhere."""
+    T, K, E = 4, 2, 6
+    act = ACTIVATIONS["silu"]
+    x, slots = _x(T, 160, 7), _slots(T, K, E, 7, skipped=False)
+    fp8 = _quantized("fp8_block")
+    codes = np.random.default_rng(0).permutation(np.resize(np.arange(256, dtype=np.uint8), fp8.up_q.shape))
+    e = int(slots.indices[0, 0])  # NaN codes only in an expert of row 0
+    codes = np.where((codes & 0x7F == 0x7F) & (np.arange(E) != e)[:, None, None], 0x01, codes).astype(np.uint8)
+    fp8 = type(fp8)(**{**fp8.fields(), "up_q": jnp.asarray(codes).view(jnp.float8_e4m3fn)})
+    mx = _quantized("mxfp4")
+    mx = type(mx)(**{**mx.fields(), "gate_scale": mx.gate_scale.at[e, 0, 3].set(255)})
+    for name, experts in (("fp8", fp8), ("mxfp4", mx)):
+        want = _oracle(experts, x, slots, act)
+        assert np.isnan(want).any() and not np.isnan(want).all(), name
+        got = np.asarray(native.routed_experts(experts, x, slots, act))
+        scale = float(np.nanmax(np.abs(want)))
+        np.testing.assert_allclose(got, want, rtol=0, atol=3e-5 * max(1.0, scale), equal_nan=True, err_msg=name)
+
+
+def _unfuse(per_expert: PerExpert) -> ExpertWeights:
+    """The stacked `[in, out]` experts of `_fused_per_expert`'s parts (the oracle's form)."""
+    parts = per_expert.parts
+    I = parts[0].down_weight.shape[-1]
+    gu = np.stack([np.asarray(p.gate_up_weight, np.float32) for p in parts])
+    down = np.stack([np.asarray(p.down_weight, np.float32) for p in parts])
+    f = lambda a: jnp.asarray(np.swapaxes(a, 1, 2))
+    return ExpertWeights(f(gu[:, :I]), f(gu[:, I:]), f(down))
+
+
 # -- families through moe_forward ---------------------------------------------------------------------------------
 
 
