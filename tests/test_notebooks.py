@@ -5,8 +5,9 @@ import pathlib
 
 import nbformat
 import pytest
-from jupyter_client import KernelManager
+from jupyter_client import AsyncKernelManager
 from nbclient import NotebookClient
+from nbclient.util import run_sync
 
 ROOT = pathlib.Path(__file__).parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -22,14 +23,17 @@ def kernel():
     # compile with the cheap pipeline (the option the tests' tolerance-checked jits use).
     fast = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     env["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), fast]))
-    manager = KernelManager(kernel_name="python3")
-    manager.start_kernel(env=env, cwd=str(ROOT / "notebooks"))
+    # nbclient's own manager class: with the blocking one a kernel that dies mid-cell hangs the client for good.
+    manager = AsyncKernelManager(kernel_name="python3")
+    run_sync(manager.start_kernel)(env=env, cwd=str(ROOT / "notebooks"))
     yield manager
-    manager.shutdown_kernel(now=True)
+    run_sync(manager.shutdown_kernel)(now=True)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes(kernel, path):
+    if not run_sync(kernel.is_alive)():  # an earlier notebook crashed it: that one failed, this one gets a new one
+        run_sync(kernel.restart_kernel)(now=True)
     notebook = nbformat.read(path, as_version=4)
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     assert all(not cell.get("outputs") for cell in code), "stored with outputs"
