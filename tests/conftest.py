@@ -16,3 +16,13 @@ hypothesis.settings.register_profile(
     suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
 hypothesis.settings.load_profile("moejax")
+
+# Files whose tests run longest (a compile subprocess, a notebook kernel, an interpreted-kernel benchmark) go first.
+# `pytest -n 2 --dist worksteal` hands each worker half of the collection and lets an idle worker take tests from
+# the end of the other's queue; a long test collected last (test_tpu_compile, test_notebooks) would then run alone
+# on one core at the end of the suite.
+LONG_FIRST = ("test_cuda_compile.py", "test_tpu_compile.py", "test_notebooks.py", "test_gpu_bench_smoke.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name not in LONG_FIRST)  # stable: the order within each file is kept
