@@ -122,7 +122,7 @@ def routed_experts(
     E, I = spec["E"], spec["I"]
     gu_bias, d_bias = spec["biases"]
     empty = jnp.zeros((0,), jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((T, H), jnp.float32))
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((T, H), jnp.float32), vmap_method="sequential")
     return call(
         x.astype(jnp.float32),
         slots.indices.astype(jnp.int32),

@@ -11,7 +11,7 @@ backend is "native" or "auto" (`layer_ops`), the layer runs:
 * `shared_ffn`: the shared expert's FFN as one expert of the routed-experts FFI call (csrc/moe_cpu.cc), every row
   with weight 1.0 (`0 + 1.0 · y` is y exactly).
 
-Each is chosen while lowering (`native.on_cpu`): a GPU or TPU program runs the XLA path, unchanged. Both run under
+Each is chosen while lowering (`_on_cpu`): a GPU or TPU program runs the XLA path, unchanged. Both run under
 a `jax.custom_vjp` whose backward is the VJP of the XLA path, so gradients are the XLA path's.
 """
 
@@ -58,9 +58,19 @@ def linear(x: Array, w: Array, bias: Array | None = None, *, max_threads: int = 
     if bias is not None and tuple(bias.shape) != (w.shape[1],):
         raise ValueError(f"native linear: bias must be [N]=({w.shape[1]},), got {bias.shape}")
     bias = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32)
-    call = jax.ffi.ffi_call(LINEAR, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
+    call = jax.ffi.ffi_call(
+        LINEAR, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32), vmap_method="sequential"
+    )
     flags = {"max_threads": np.int64(max_threads), "portable": np.int64(bool(portable))}
     return call(x.astype(jnp.float32), w, bias, **flags)
+
+
+def _on_cpu(run, fallback, *operands):
+    """`run(*operands)` in a program lowered for the CPU, `fallback(*operands)` elsewhere. By the lowering
+    platform alone (`jax.lax.platform_dependent`, pruned while lowering), not `native.on_cpu`: that primitive asks
+    for the program's devices, which makes JAX require one mesh across the program, and the router runs in
+    programs that mix meshes (a data-parallel input beside an EP forward)."""
+    return jax.lax.platform_dependent(*operands, cpu=run, default=fallback)
 
 
 def xla_matmul(x: Array, w: Array) -> Array:
@@ -72,7 +82,7 @@ def xla_matmul(x: Array, w: Array) -> Array:
 def matmul(x: Array, w: Array) -> Array:
     """`x [T, K] @ w [K, N]` `[T, N]` float32 (x and w in one dtype, accumulated in float32): `linear` in a
     program lowered for the CPU, `xla_matmul` elsewhere; gradients are `xla_matmul`'s."""
-    return native.on_cpu(lambda x, w: linear(x, w, max_threads=_MAX_THREADS), xla_matmul, x, w)
+    return _on_cpu(lambda x, w: linear(x, w, max_threads=_MAX_THREADS), xla_matmul, x, w)
 
 
 def _matmul_fwd(x, w):
@@ -95,7 +105,7 @@ def shared_ffn(w: ExpertWeights, x: Array, act: GatedActivation) -> Array:
 
     @jax.custom_vjp
     def ffn(w, x):
-        return native.on_cpu(_native_ffn, _xla_ffn, w, x)
+        return _on_cpu(_native_ffn, _xla_ffn, w, x)
 
     def _native_ffn(w, x):
         stacked = jax.tree.map(lambda a: a[None], w)  # [1, ...]: a bitcast, read in place
