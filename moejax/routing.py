@@ -103,10 +103,28 @@ def router_logits(
     return round_to(logits, dtype)
 
 
+def row_sum(values: Array) -> Array:
+    """`values.sum(-1, keepdims=True)` `[..., 1]` by one fixed tree of elementwise adds over the last axis (halves
+    added pairwise, an odd last column carried), so a row's sum does not depend on the rows around it: XLA's
+    reduce picks its loop order by the whole array's shape, and a row alone and the same row inside 300 rows got
+    sums one ulp apart (so routing weights, so the layer's output, changed with the batch)."""
+    while values.shape[-1] > 1:
+        half = values.shape[-1] // 2
+        pairs = values[..., :half] + values[..., half : 2 * half]
+        values = jnp.concatenate([pairs, values[..., 2 * half :]], axis=-1)
+    return values
+
+
+def softmax(logits: Array) -> Array:
+    """`jax.nn.softmax(logits, axis=-1)` with the row's sum by `row_sum` (a row's bits independent of its batch)."""
+    exp = jnp.exp(logits - jax.lax.stop_gradient(logits.max(-1, keepdims=True)))
+    return exp / row_sum(exp)
+
+
 def scores_from_logits(logits: Array, scoring: Scoring, dtype: jnp.dtype = jnp.float32) -> Array:
     """Scores `[T, N]` float32, rounded to `dtype` after each op as a model running in `dtype` does."""
     if scoring is Scoring.SOFTMAX:
-        return round_to(jax.nn.softmax(logits, axis=-1), dtype)
+        return round_to(softmax(logits), dtype)
     if scoring is Scoring.SIGMOID:
         return round_to(jax.nn.sigmoid(logits), dtype)
     return round_to(jnp.sqrt(round_to(jax.nn.softplus(logits), dtype)), dtype)
@@ -214,7 +232,7 @@ def route(
     if cfg.score_order is ScoreOrder.AFTER_TOPK:
         selected_logits, indices = jax.lax.top_k(logits, K)
         # gpt-oss: softmax over the k selected logits; Llama-4: sigmoid of each. Float32, rounded below.
-        score = jax.nn.softmax if cfg.scoring is Scoring.SOFTMAX else jax.nn.sigmoid
+        score = softmax if cfg.scoring is Scoring.SOFTMAX else jax.nn.sigmoid
         weights = score(selected_logits)
     else:
         scores = scores_from_logits(logits, cfg.scoring, policy_dtype(cfg.score_dtype, x))  # [T, N]
@@ -229,7 +247,7 @@ def route(
             _, indices = jax.lax.top_k(selection, K)
         weights = jnp.take_along_axis(scores, indices, axis=-1)
         if cfg.normalize:
-            weights = weights / (weights.sum(-1, keepdims=True) + cfg.norm_epsilon)
+            weights = weights / (row_sum(weights) + cfg.norm_epsilon)
     if cfg.scaling_target is ScalingTarget.WEIGHTS and cfg.routed_scaling_factor != 1.0:
         weights = weights * cfg.routed_scaling_factor
     if cfg.per_expert_scale:
@@ -238,5 +256,5 @@ def route(
     indices = indices.astype(jnp.int32)
     zero_weight = None
     if cfg.num_zero_experts:
-        zero_weight = jnp.where(indices >= cfg.num_experts, weights, 0.0).sum(-1)
+        zero_weight = row_sum(jnp.where(indices >= cfg.num_experts, weights, 0.0))[:, 0]
     return Routing(indices=indices, weights=weights, logits=logits, zero_weight=zero_weight)

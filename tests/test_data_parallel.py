@@ -103,3 +103,32 @@ def test_row_bits_do_not_depend_on_neighbours(family, T, impl, dtype):
             neighbours = (noise if seed == 0 else x[r] + 1e-2 * seed * noise).astype(dtype)
             y = forward(params, neighbours.at[r].set(x[r]), cfg, impl=impl)
             np.testing.assert_array_equal(y[r], base[r], err_msg=f"row {r}, neighbours {seed}")
+
+
+def _tree_sum(row: np.ndarray) -> np.float32:
+    """numpy model of `routing.row_sum`: halves added pairwise in float32, an odd last element carried."""
+    row = row.astype(np.float32)
+    while row.size > 1:
+        half = row.size // 2
+        row = np.concatenate([row[:half] + row[half : 2 * half], row[2 * half :]])
+    return row[0]
+
+
+@pytest.mark.parametrize("N", [13, 16, 60, 256])
+def test_routing_row_sums_are_one_fixed_tree(N):
+    """The routing's sums (softmax denominators, top-k normalisation) are one fixed tree per row: a row's sum has
+    the same bits alone and at any position of 9, 300 or 2048 rows, and equals the numpy model of the tree.
+    (XLA's own reduce picks its loop order by the array's shape; a row's sum changed with the batch by an ulp.)"""
+    from moejax.routing import row_sum
+
+    rng = np.random.default_rng(N)
+    fn = jax.jit(row_sum)
+    row = rng.exponential(size=(1, N)).astype(np.float32)
+    alone = np.asarray(fn(row))[0, 0]
+    assert alone == _tree_sum(row[0])
+    for T in (9, 300, 2048):
+        x = rng.exponential(size=(T, N)).astype(np.float32)
+        positions = (0, T // 2 + 1, T - 1)
+        x[list(positions)] = row[0]
+        sums = np.asarray(fn(x))[:, 0]
+        assert all(sums[p] == alone for p in positions), (T, sums[list(positions)], alone)
