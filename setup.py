@@ -33,7 +33,7 @@ def _native_extensions() -> list[Extension]:
     return [
         Extension(
             "moejax._native_cpu",
-            sources=["csrc/moe_cpu.cc", "csrc/linear_cpu.cc"],
+            sources=["csrc/moe_cpu.cc", "csrc/linear_cpu.cc", "csrc/scores_cpu.cc"],
             include_dirs=["csrc"],
             depends=["csrc/kernels.inc", "csrc/vec_avx2.inc", "csrc/vec_generic.inc", "csrc/linear_kernel.inc"],
             extra_compile_args=compile_args,

@@ -528,6 +528,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExperts, moe::NoThrow<moe::MoeExpertsC
 
 // -- the Python module: PyCapsules of the handlers, the chosen ISA ---------------------------------------------
 extern "C" XLA_FFI_Error* MoejaxLinear(XLA_FFI_CallFrame* call_frame);  // csrc/linear_cpu.cc
+extern "C" XLA_FFI_Error* MoejaxScores(XLA_FFI_CallFrame* call_frame);  // csrc/scores_cpu.cc
 
 static PyObject* registrations(PyObject*, PyObject*) {
   PyObject* dict = PyDict_New();
@@ -535,6 +536,7 @@ static PyObject* registrations(PyObject*, PyObject*) {
   const std::pair<const char*, void*> handlers[] = {
       {"moejax_routed_experts", reinterpret_cast<void*>(&MoejaxRoutedExperts)},
       {"moejax_linear", reinterpret_cast<void*>(&MoejaxLinear)},
+      {"moejax_scores", reinterpret_cast<void*>(&MoejaxScores)},
   };
   for (const auto& [name, fn] : handlers) {
     PyObject* capsule = PyCapsule_New(fn, nullptr, nullptr);

@@ -109,5 +109,6 @@ def shared_expert_ffn(
             g = ops.matmul(x.astype(dtype), shared.gate_kernel.astype(dtype))  # [T, 1]
         if lora is not None:
             g = add_pair(g, lora.gate_kernel, x, adapter)
-        y = jax.nn.sigmoid(g.astype(dtype).astype(jnp.float32)) * y
+        g = g.astype(dtype).astype(jnp.float32)
+        y = (jax.nn.sigmoid(g) if ops is None else ops.scores("sigmoid", g)) * y
     return y

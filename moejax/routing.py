@@ -121,13 +121,30 @@ def softmax(logits: Array) -> Array:
     return exp / row_sum(exp)
 
 
-def scores_from_logits(logits: Array, scoring: Scoring, dtype: jnp.dtype = jnp.float32) -> Array:
-    """Scores `[T, N]` float32, rounded to `dtype` after each op as a model running in `dtype` does."""
+XLA_SCORES: dict[str, Callable[[Array], Array]] = {
+    "softmax": softmax,
+    "sigmoid": jax.nn.sigmoid,
+    "softplus": jax.nn.softplus,
+}
+
+
+def xla_scores(kind: str, logits: Array) -> Array:
+    """`kind` ("softmax" over the last axis, "sigmoid", "softplus") of float32 `logits` by XLA."""
+    return XLA_SCORES[kind](logits)
+
+
+def scores_from_logits(
+    logits: Array, scoring: Scoring, dtype: jnp.dtype = jnp.float32, scores: Callable[[str, Array], Array] | None = None
+) -> Array:
+    """Scores `[T, N]` float32, rounded to `dtype` after each op as a model running in `dtype` does. `scores(kind,
+    logits)` computes softmax / sigmoid / softplus (`xla_scores` when None; the pipeline passes the native,
+    batch-invariant one on CPU)."""
+    scores = xla_scores if scores is None else scores
     if scoring is Scoring.SOFTMAX:
-        return round_to(softmax(logits), dtype)
+        return round_to(scores("softmax", logits), dtype)
     if scoring is Scoring.SIGMOID:
-        return round_to(jax.nn.sigmoid(logits), dtype)
-    return round_to(jnp.sqrt(round_to(jax.nn.softplus(logits), dtype)), dtype)
+        return round_to(scores("sigmoid", logits), dtype)
+    return round_to(jnp.sqrt(round_to(scores("softplus", logits), dtype)), dtype)
 
 
 def limit_to_groups(selection: Array, n_group: int, topk_group: int) -> Array:
@@ -194,7 +211,7 @@ def hash_indices(tid2eid: Array, token_ids: Array, cfg: MoEConfig) -> Array:
     return jnp.clip(tid2eid[rows].astype(jnp.int32), 0, cfg.num_selectable - 1)
 
 
-@cached_when_eager(static_argnames=("cfg", "matmul"), host_id_args=("token_ids", "adapter"))
+@cached_when_eager(static_argnames=("cfg", "matmul", "scores"), host_id_args=("token_ids", "adapter"))
 def route(
     params,
     x: Array,
@@ -204,6 +221,7 @@ def route(
     lora: LoRAPair | None = None,
     adapter: Array | None = None,
     matmul: Callable[[Array, Array], Array] | None = None,
+    scores: Callable[[str, Array], Array] | None = None,
 ) -> Routing:
     """Route tokens `x [T, H]` (or `[..., H]`, flattened) to `cfg.top_k` experts each.
 
@@ -215,6 +233,8 @@ def route(
         (`router_logits`), so it changes the selection.
       adapter: `[...]` int32 adapter ids of the rows (in range: `moejax.lora.clamp_ids`), with `lora`.
       matmul: computes the logits' `x @ W_router` (`router_logits`); None: `jnp.dot`.
+      scores: `scores(kind, logits)` computes the softmax / sigmoid / softplus of float32 logits
+        (`scores_from_logits`); None: `xla_scores`.
     Returns:
       `Routing` with `indices [T, K] int32`, `weights [T, K] float32`, `logits [T, N] float32`, and
       `zero_weight [T]` when the config has zero-computation experts.
@@ -232,20 +252,20 @@ def route(
     if cfg.score_order is ScoreOrder.AFTER_TOPK:
         selected_logits, indices = jax.lax.top_k(logits, K)
         # gpt-oss: softmax over the k selected logits; Llama-4: sigmoid of each. Float32, rounded below.
-        score = softmax if cfg.scoring is Scoring.SOFTMAX else jax.nn.sigmoid
-        weights = score(selected_logits)
+        kind = "softmax" if cfg.scoring is Scoring.SOFTMAX else "sigmoid"
+        weights = (xla_scores if scores is None else scores)(kind, selected_logits)
     else:
-        scores = scores_from_logits(logits, cfg.scoring, policy_dtype(cfg.score_dtype, x))  # [T, N]
+        probs = scores_from_logits(logits, cfg.scoring, policy_dtype(cfg.score_dtype, x), scores)  # [T, N]
         if cfg.hash_routing:
             indices = hash_indices(router.tid2eid, token_ids.reshape(-1), cfg)
         else:
-            selection = scores
+            selection = probs
             if cfg.correction_bias:
                 selection = selection + router.correction_bias.astype(jnp.float32)
             if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
                 selection = limit_to_groups(selection, cfg.n_group, cfg.topk_group)
             _, indices = jax.lax.top_k(selection, K)
-        weights = jnp.take_along_axis(scores, indices, axis=-1)
+        weights = jnp.take_along_axis(probs, indices, axis=-1)
         if cfg.normalize:
             weights = weights / (row_sum(weights) + cfg.norm_epsilon)
     if cfg.scaling_target is ScalingTarget.WEIGHTS and cfg.routed_scaling_factor != 1.0:

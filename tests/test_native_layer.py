@@ -14,6 +14,7 @@ import moejax
 from moejax import backends
 from moejax.backends import native, native_layer
 from moejax.dispatch import EPAllToAll, EPPsum, Rows
+from moejax.routing import xla_scores
 
 built = pytest.mark.skipif(not native.available(), reason="the native extension is not built")
 
@@ -36,8 +37,18 @@ def _rows(T: int, seed: int, dtype=jnp.float32) -> np.ndarray:
     return np.array(jax.random.normal(jax.random.key(seed), (T, H), jnp.float32).astype(dtype))
 
 
+# XLA's default pipeline whatever XLA_FLAGS say: the cheap one (level 0) vectorizes nothing, so its exp has the same
+# bits at every position, which hides the bits that change with a loop's vector body and tail (docs/DESIGN.md).
+DEFAULT_PIPELINE = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
+
+
+@functools.cache
+def _compiled_forward(cfg):
+    return jax.jit(lambda params, x: moejax.moe_forward(params, x, cfg), compiler_options=DEFAULT_PIPELINE)
+
+
 def _forward(params, x, cfg):
-    return np.asarray(moejax.moe_forward(params, jnp.asarray(x), cfg))
+    return np.asarray(_compiled_forward(cfg)(params, jnp.asarray(x)))
 
 
 def _assert_row_invariant(params, cfg, sizes, what: str, dtype=jnp.float32):
@@ -185,3 +196,52 @@ def test_enable_false_runs_the_xla_path_and_enable_none_restores_the_default():
     finally:
         native.enable(None)
     assert native.available() and moejax.forward.chosen_impl(params, x, cfg) == "native"
+
+
+@built
+@pytest.mark.parametrize("kind", ["softmax", "sigmoid", "softplus"])
+def test_scores_match_xla_and_a_rows_bits_do_not_depend_on_the_batch(kind):
+    """The native router scores equal XLA's to float32 rounding (-inf, an all -inf row, NaN included), with XLA's
+    gradients; a row's scores alone equal its scores at three positions of 9, 300 and 2048 rows bit for bit."""
+    rng = np.random.default_rng(3)
+    z = (rng.standard_normal((40, 13)) * 5).astype(np.float32)
+    z[3, 2], z[4, :], z[5, 1] = -np.inf, -np.inf, np.nan
+    fn = jax.jit(functools.partial(native_layer.scores, kind), compiler_options=DEFAULT_PIPELINE)
+    want = np.asarray(xla_scores(kind, jnp.asarray(z)))
+    np.testing.assert_allclose(np.asarray(fn(z)), want, rtol=3e-6, atol=0, equal_nan=True)
+    weights = jnp.arange(13.0)
+    grad = jax.grad(lambda z: (native_layer.scores(kind, z) * weights).sum())(jnp.asarray(z[6:9]))
+    np.testing.assert_array_equal(grad, jax.grad(lambda z: (xla_scores(kind, z) * weights).sum())(z[6:9]))
+    rows = (rng.standard_normal((4, 13)) * 5).astype(np.float32)
+    for T in (9, 300, 2048):
+        x = (rng.standard_normal((T, 13)) * 5).astype(np.float32)
+        positions = (1, T // 2 + 1, T - 2)
+        for row in rows:
+            x[list(positions)] = row
+            at = np.asarray(fn(x))
+            alone = np.asarray(fn(row[None]))[0]
+            for p in positions:
+                np.testing.assert_array_equal(at[p], alone, err_msg=f"{kind} T={T} position {p}")
+
+
+@built
+def test_a_rows_routing_weights_do_not_depend_on_the_batch():
+    """Qwen3-MoE (softmax scores, normalised top-k): 6 rows, each alone and inside batches of 2, 9, 40, 300 and
+    2048 rows, compiled with XLA's default pipeline: the same routing weights and layer output bit for bit. With
+    XLA's softmax (its exp, its reduce) 2 of these 30 differed (jax 0.10.2)."""
+    cfg, params = _layer("qwen3_moe")
+    forward = jax.jit(
+        lambda p, x: moejax.moe_forward(p, x, cfg, return_routing=True), compiler_options=DEFAULT_PIPELINE
+    )
+    rng = np.random.default_rng(0)
+    for trial in range(6):
+        row = rng.standard_normal((1, H)).astype(np.float32)
+        alone, routing = forward(params, jnp.asarray(row))
+        for T in (2, 9, 40, 300, 2048):
+            x = rng.standard_normal((T, H)).astype(np.float32)
+            p = T // 2
+            x[p] = row[0]
+            out, batch_routing = forward(params, jnp.asarray(x))
+            where = f"row {trial} at position {p} of {T}"
+            np.testing.assert_array_equal(batch_routing.weights[p], routing.weights[0], err_msg=where)
+            np.testing.assert_array_equal(out[p], alone[0], err_msg=where)

@@ -10,6 +10,10 @@ backend is "native" or "auto" (`layer_ops`), the layer runs:
   of fused multiply-adds over k): the router logits `x @ W_router` and the shared expert's sigmoid gate `x @ w`.
 * `shared_ffn`: the shared expert's FFN as one expert of the routed-experts FFI call (csrc/moe_cpu.cc), every row
   with weight 1.0 (`0 + 1.0 · y` is y exactly).
+* `scores(kind, logits)`: the router's softmax / sigmoid / softplus and the shared expert's sigmoid gate by one
+  FFI call into csrc/scores_cpu.cc (a scalar `std::exp` per value, a row's softmax summed in column order):
+  XLA:CPU's exp gives other bits in a loop's vector body than in its scalar tail, so a row's scores changed with
+  the batch.
 
 Each is chosen while lowering (`_on_cpu`): a GPU or TPU program runs the XLA path, unchanged. Both run under
 a `jax.custom_vjp` whose backward is the VJP of the XLA path, so gradients are the XLA path's.
@@ -18,6 +22,7 @@ a `jax.custom_vjp` whose backward is the VJP of the XLA path, so gradients are t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -26,11 +31,14 @@ import numpy as np
 
 from moejax.backends import native
 from moejax.experts import Slots
+from moejax.routing import xla_scores
 from moejax.weights import ExpertWeights
 from pallas_kernels.activations import GatedActivation
 
 Array = jax.Array
 LINEAR = "moejax_linear"
+SCORES = "moejax_scores"
+_SCORE_KINDS = {"softmax": 0, "sigmoid": 1, "softplus": 2}
 _WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -96,6 +104,42 @@ def _matmul_bwd(residuals, cotangent):
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
+def native_scores(kind: str, logits: Array) -> Array:
+    """`kind` ("softmax" over the last axis, "sigmoid", "softplus") of float32 `logits [T, N]` by the native op,
+    each row's bits independent of the other rows (csrc/scores_cpu.cc).
+
+    Raises:
+      NotImplementedError: the extension is not built or not enabled.
+      ValueError: an unknown kind, or logits that are not `[T, N]` float32.
+    """
+    if not native.available():
+        raise NotImplementedError("the native CPU kernels are not built or not enabled (moejax._native_cpu)")
+    if kind not in _SCORE_KINDS:
+        raise ValueError(f"native scores: kind must be one of {sorted(_SCORE_KINDS)}, got {kind!r}")
+    if logits.ndim != 2 or logits.dtype != jnp.float32:
+        raise ValueError(f"native scores: logits must be [T, N] float32, got {logits.shape} {logits.dtype}")
+    call = jax.ffi.ffi_call(SCORES, jax.ShapeDtypeStruct(logits.shape, jnp.float32), vmap_method="sequential")
+    return call(logits, kind=np.int64(_SCORE_KINDS[kind]))
+
+
+def scores(kind: str, logits: Array) -> Array:
+    """`xla_scores(kind, logits)`: by `native_scores` in a program lowered for the CPU, by XLA elsewhere;
+    gradients are XLA's."""
+
+    @jax.custom_vjp
+    def run(logits):
+        return _on_cpu(functools.partial(native_scores, kind), functools.partial(xla_scores, kind), logits)
+
+    def fwd(logits):
+        return run(logits), logits
+
+    def bwd(logits, cotangent):
+        return jax.vjp(functools.partial(xla_scores, kind), logits)[1](cotangent)
+
+    run.defvjp(fwd, bwd)
+    return run(logits)
+
+
 def shared_ffn(w: ExpertWeights, x: Array, act: GatedActivation) -> Array:
     """The shared expert's gated FFN on all rows `x [T, H]` -> `[T, H]` float32.
 
@@ -128,11 +172,13 @@ def shared_ffn(w: ExpertWeights, x: Array, act: GatedActivation) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class LayerOps:
-    """The layer's matmuls besides the routed experts, as the pipeline passes them down: `matmul(x, w)` for the
-    router logits and the shared expert's gate, `shared_ffn(w, x, act)` for the shared expert's FFN."""
+    """The layer's ops besides the routed experts, as the pipeline passes them down: `matmul(x, w)` for the
+    router logits and the shared expert's gate, `shared_ffn(w, x, act)` for the shared expert's FFN, `scores(kind,
+    logits)` for the router's scores and the shared expert's sigmoid gate."""
 
     matmul: Callable[[Array, Array], Array] = matmul
     shared_ffn: Callable[[ExpertWeights, Array, GatedActivation], Array] = shared_ffn
+    scores: Callable[[str, Array], Array] = scores
 
 
 # At most this many threads in the layer's native calls (0: XLA's whole intra-op pool); read while tracing. Tests
