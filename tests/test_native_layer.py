@@ -91,7 +91,9 @@ def test_every_batch_size_one_thread_or_the_pool_and_2048_rows(monkeypatch):
     one = dataclasses.replace(backends.BACKENDS["native"], run=_one_thread(native.routed_experts))
     monkeypatch.setitem(backends.BACKENDS, "native", one)
     monkeypatch.setattr(native_layer, "_MAX_THREADS", 1)
-    forward = jax.jit(moejax.moe_forward.uncached, static_argnames=("cfg",))  # traced anew: one thread
+    forward = jax.jit(  # traced anew: one thread
+        moejax.moe_forward.uncached, static_argnames=("cfg",), compiler_options=DEFAULT_PIPELINE
+    )
     x = _rows(2048, 5)
     x[[0, 1000, 2047]] = _rows(1, 7)[0]
     got = np.asarray(forward(params, jnp.asarray(x), cfg))
