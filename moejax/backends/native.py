@@ -38,7 +38,6 @@ from moejax.lora import LoRAExperts, LoRAPair, clamp_ids
 from moejax.quantized import QuantizedExperts
 from moejax.weights import ExpertFormat, ExpertWeights, FusedExpertWeights, PerExpert
 from pallas_kernels.activations import GatedActivation
-from pallas_kernels.platform import choose_at_lowering
 
 Array = jax.Array
 TARGET = "moejax_routed_experts"
@@ -94,9 +93,11 @@ def available() -> bool:
 def on_cpu(run, fallback, *operands) -> Array:
     """`run(*operands)` in a program lowered for the CPU, `fallback(*operands)` elsewhere (a GPU or TPU program,
     also one compiled on a CPU host for a compile-only topology): decided while lowering, never by the host's
-    default backend (`pallas_kernels.platform.choose_at_lowering`)."""
-    choose = lambda platform, device_kinds: 0 if platform == "cpu" else 1
-    return choose_at_lowering(choose, (run, fallback), *operands)
+    default backend. By the lowering platform alone (`jax.lax.platform_dependent`, pruned while lowering), as
+    `native_layer`'s ops: `choose_at_lowering` asks for the program's devices, which makes JAX require one mesh
+    across the program, and the routed experts run in programs that mix meshes (a data-parallel input beside an
+    EP forward, tests/test_lora_safety.py)."""
+    return jax.lax.platform_dependent(*operands, cpu=run, default=fallback)
 
 
 def isa() -> str | None:
