@@ -192,25 +192,29 @@ def _layer():
 IDS = jnp.asarray([1, 2, 0, 5, 2, 1], jnp.int32)  # rows 0 and 1: one x, two adapters; 5 is out of range
 
 
-def test_layer_runs_native_with_adapters_and_matches_the_reference_with_gradients():
+def test_layer_runs_native_with_adapters_and_matches_the_reference():
     """qwen2_moe per-expert (the fused [out, in] format) with router, routed and shared (gate included) adapters:
-    "auto" runs native, the routed and shared experts' adapters inside the kernel call; output and gradients
-    (w.r.t. the adapters and x: the reference's backward) equal the reference's."""
+    "auto" runs native, the routed and shared experts' adapters inside the kernel call, equal to the reference."""
     params, x, lora = _layer()
     assert moejax.forward.chosen_impl(params, x, CFG, lora=lora) == "native"
-    c = jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
-
-    @functools.partial(jax.jit, static_argnums=2, compiler_options=FAST)
-    def forward_and_grads(lora, x, impl):
-        forward = lambda lora, x: moejax.moe_forward(params, x, CFG, None, impl, lora=lora, adapter_ids=IDS)
-        y, vjp = jax.vjp(forward, lora, x)
-        return y, vjp(c)
-
-    hlo = forward_and_grads.lower(lora, x, "auto").as_text()
-    assert hlo.count("moejax_routed_experts_lora") >= 2  # routed and shared experts with their adapters
-    (got, got_grads), (want, want_grads) = forward_and_grads(lora, x, "auto"), forward_and_grads(lora, x, "reference")
+    forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"), compiler_options=FAST)
+    hlo = forward.lower(params, x, CFG, None, "auto", lora=lora, adapter_ids=IDS).as_text()
+    assert hlo.count("moejax_routed_experts_lora") == 2  # routed and shared experts with their adapters
+    got = np.asarray(forward(params, x, CFG, None, "auto", lora=lora, adapter_ids=IDS))
+    want = np.asarray(forward(params, x, CFG, None, "reference", lora=lora, adapter_ids=IDS))
     np.testing.assert_allclose(got, want, rtol=3e-5, atol=3e-5)
     assert np.abs(got[0] - got[1]).max() > 1e-3  # one x, two adapters
-    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+
+
+def test_layer_gradients_with_adapters_equal_the_references():
+    params, x, lora = _layer()
+    c = jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
+
+    def loss(lora, x, impl):
+        return jnp.sum(c * moejax.moe_forward(params, x, CFG, None, impl, lora=lora, adapter_ids=IDS))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2, compiler_options=FAST)
+    got, want = grad(lora, x, "auto"), grad(lora, x, "reference")
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
-    assert np.abs(got_grads[0].shared.down.b[1:]).max() > 1e-3 and np.abs(got_grads[0].experts.down.b[1:]).max() > 0
+    assert np.abs(got[0].shared.down.b[1:]).max() > 1e-3 and np.abs(got[0].experts.down.b[1:]).max() > 1e-3
