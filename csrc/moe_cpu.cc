@@ -162,7 +162,8 @@ static Scratch& scratch() {
   return s;
 }
 
-struct Job;
+#include "lora.inc"
+
 struct Kernels {
   void (*gate_up)(const Job&, int u, int chunk);
   void (*down)(const Job&, int u, int chunk);
@@ -188,6 +189,7 @@ struct Job {
   float* h = nullptr;    // [P, I]
   float* y = nullptr;    // [P, H]
   float* out = nullptr;  // [T, H]
+  LoRAJob* lora = nullptr;  // the adapters of the call (lora.inc), or null
 
   const uint8_t* field(int f, int e) const { return field_ptr[static_cast<size_t>(f) * E + e]; }
 
@@ -221,6 +223,7 @@ struct Job {
 
 namespace generic {
 #include "vec_generic.inc"
+#include "lora_kernels.inc"
 #include "kernels.inc"
 }  // namespace generic
 
@@ -233,6 +236,7 @@ namespace generic {
 #endif
 namespace avx2 {
 #include "vec_avx2.inc"
+#include "lora_kernels.inc"
 #include "kernels.inc"
 }  // namespace avx2
 #if defined(__clang__)
@@ -301,8 +305,9 @@ static uint64_t row_hash(const float* row, int H) {
 
 // Union experts (ascending id), their rows (ascending t) and each slot's pair. A row that chose an expert in
 // several slots is one pair (on the summed input scale of those slots); rows with bit-identical inputs (x and
-// scale) share one pair too (8 copies of a token compute one row per expert; by construction a row's result does
-// not depend on which pair computes it). scaled: the pairs' s·x rows when in_scale is given.
+// scale) and, with LoRA, one adapter share one pair too (8 copies of a token compute one row per expert; by
+// construction a row's result does not depend on which pair computes it). scaled: the pairs' s·x rows when
+// in_scale is given.
 static void build_routing(Job& job, const float* x, const int32_t* idx, const float* weight, const float* in_scale,
                           std::vector<float>& scaled) {
   const int T = job.T, K = job.K, E = job.E, H = job.H;
@@ -337,7 +342,8 @@ static void build_routing(Job& job, const float* x, const int32_t* idx, const fl
       int r = -1;
       for (size_t q = 0; q < list.size() && r < 0; ++q) {
         const Rep& c = list[q];
-        if (hash[c.t] == hash[t] && std::memcmp(&c.scale, &sc, sizeof(float)) == 0 &&
+        const bool same_adapter = !job.lora || job.lora->row_id(c.t) == job.lora->row_id(t);
+        if (same_adapter && hash[c.t] == hash[t] && std::memcmp(&c.scale, &sc, sizeof(float)) == 0 &&
             std::memcmp(x + static_cast<size_t>(c.t) * H, row, sizeof(float) * H) == 0)
           r = static_cast<int>(q);
       }
@@ -360,11 +366,13 @@ static void build_routing(Job& job, const float* x, const int32_t* idx, const fl
   }
   const int P = start[E];
   job.pair_x.assign(P, nullptr);
+  if (job.lora) job.lora->pair_ad.assign(P, 0);
   if (in_scale) scaled.resize(static_cast<size_t>(P) * H);
   for (int e = 0; e < E; ++e) {
     for (size_t q = 0; q < reps[e].size(); ++q) {
       const int p = start[e] + static_cast<int>(q);
       const float* row = x + static_cast<size_t>(reps[e][q].t) * H;
+      if (job.lora) job.lora->pair_ad[p] = job.lora->row_id(reps[e][q].t);
       if (!in_scale) {
         job.pair_x[p] = row;
         continue;
@@ -397,15 +405,25 @@ static int chunk_width(int fmt) {
   }
 }
 
-static ffi::Error MoeExpertsCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
-                                 ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> in_scale,
-                                 ffi::Buffer<ffi::F32> gate_up_bias, ffi::Buffer<ffi::F32> down_bias,
-                                 ffi::Buffer<ffi::F32> scale2, ffi::RemainingArgs weights,
-                                 ffi::ResultBuffer<ffi::F32> out, int64_t fmt, int64_t num_experts,
-                                 int64_t intermediate, int64_t group, int64_t fields_per_proj, int64_t per_expert,
-                                 int64_t act_kind, int64_t has_limit, float limit, float alpha, int64_t clamp_after,
-                                 int64_t max_threads) {
+// The LoRA phase items of the chosen ISA (lora_kernels.inc).
+static const LoRAKernels& lora_kernels() {
+#if MOE_X86
+  if (g_kernels.load(std::memory_order_relaxed) == avx2::kTable) return avx2::kLoRA;
+#endif
+  return generic::kLoRA;
+}
+
+// The routed experts of one call (MoeExpertsCall), with the adapters of `lora` when it is not null.
+static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
+                             ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> in_scale,
+                             ffi::Buffer<ffi::F32> gate_up_bias, ffi::Buffer<ffi::F32> down_bias,
+                             ffi::Buffer<ffi::F32> scale2, ffi::RemainingArgs& weights,
+                             ffi::ResultBuffer<ffi::F32>& out, int64_t fmt, int64_t num_experts,
+                             int64_t intermediate, int64_t group, int64_t fields_per_proj, int64_t per_expert,
+                             int64_t act_kind, int64_t has_limit, float limit, float alpha, int64_t clamp_after,
+                             int64_t max_threads, LoRAJob* lora) {
   Job job;
+  job.lora = lora;
   const auto xd = x.dimensions(), id = idx.dimensions();
   if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0]) return ffi::Error::InvalidArgument("moejax native: x [T, H], indices [T, K]");
   if (fmt < 0 || fmt >= kNumFormats) return ffi::Error::InvalidArgument("moejax native: unknown format");
@@ -467,12 +485,15 @@ static ffi::Error MoeExpertsCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
   for (size_t p = 0; p < P; ++p) job.pair_h[p] = job.h + p * job.I;
   job.chunk_gu = chunk_width(job.fmt);
   job.chunk_down = chunk_width(job.fmt);
+  if (lora) lora->prepare(P);
 
   const Kernels& k = g_kernels.load(std::memory_order_relaxed)[job.fmt];
   const int U = static_cast<int>(job.union_ids.size());
   const int mt = static_cast<int>(max_threads);
   const int n_gu = (job.I + job.chunk_gu - 1) / job.chunk_gu;
+  if (lora) parallel_for(&pool, U, mt, [&](int64_t i) { lora_kernels().gate_up_inputs(job, static_cast<int>(i)); });
   parallel_for(&pool, static_cast<int64_t>(U) * n_gu, mt, [&](int64_t i) { k.gate_up(job, i / n_gu, i % n_gu); });
+  if (lora) parallel_for(&pool, U, mt, [&](int64_t i) { lora_kernels().down_inputs(job, static_cast<int>(i)); });
   const int n_down = (job.H + job.chunk_down - 1) / job.chunk_down;
   parallel_for(&pool, static_cast<int64_t>(U) * n_down, mt, [&](int64_t i) { k.down(job, i / n_down, i % n_down); });
   constexpr int kRowsPerItem = 8;
@@ -482,6 +503,45 @@ static ffi::Error MoeExpertsCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
     k.combine(job, t0, std::min(job.T, t0 + kRowsPerItem));
   });
   return ffi::Error::Success();
+}
+
+static ffi::Error MoeExpertsCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
+                                 ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> in_scale,
+                                 ffi::Buffer<ffi::F32> gate_up_bias, ffi::Buffer<ffi::F32> down_bias,
+                                 ffi::Buffer<ffi::F32> scale2, ffi::RemainingArgs weights,
+                                 ffi::ResultBuffer<ffi::F32> out, int64_t fmt, int64_t num_experts,
+                                 int64_t intermediate, int64_t group, int64_t fields_per_proj, int64_t per_expert,
+                                 int64_t act_kind, int64_t has_limit, float limit, float alpha, int64_t clamp_after,
+                                 int64_t max_threads) {
+  return RunExperts(pool, x, idx, weight, in_scale, gate_up_bias, down_bias, scale2, weights, out, fmt, num_experts,
+                    intermediate, group, fields_per_proj, per_expert, act_kind, has_limit, limit, alpha, clamp_after,
+                    max_threads, nullptr);
+}
+
+// MoeExpertsCall with LoRA adapters: the rows' adapter ids [T] and gate, up, down's stacked A, B, scale (lora.inc;
+// a target's three buffers empty when absent).
+static ffi::Error MoeExpertsLoRACall(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> weight,
+    ffi::Buffer<ffi::F32> in_scale, ffi::Buffer<ffi::F32> gate_up_bias, ffi::Buffer<ffi::F32> down_bias,
+    ffi::Buffer<ffi::F32> scale2, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> gate_a,
+    ffi::Buffer<ffi::F32> gate_b, ffi::Buffer<ffi::F32> gate_s, ffi::Buffer<ffi::F32> up_a, ffi::Buffer<ffi::F32> up_b,
+    ffi::Buffer<ffi::F32> up_s, ffi::Buffer<ffi::F32> down_a, ffi::Buffer<ffi::F32> down_b,
+    ffi::Buffer<ffi::F32> down_s, ffi::RemainingArgs weights, ffi::ResultBuffer<ffi::F32> out, int64_t fmt,
+    int64_t num_experts, int64_t intermediate, int64_t group, int64_t fields_per_proj, int64_t per_expert,
+    int64_t act_kind, int64_t has_limit, float limit, float alpha, int64_t clamp_after, int64_t max_threads) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || ids.element_count() != static_cast<size_t>(xd[0]))
+    return ffi::Error::InvalidArgument("moejax native lora: x [T, H] and adapter ids [T]");
+  LoRAJob lora;
+  lora.ids = ids.typed_data();
+  const int E = static_cast<int>(num_experts), H = static_cast<int>(xd[1]), I = static_cast<int>(intermediate);
+  for (auto err : {lora_bind_target(lora, kLoRAGate, gate_a, gate_b, gate_s, E, H, I),
+                   lora_bind_target(lora, kLoRAUp, up_a, up_b, up_s, E, H, I),
+                   lora_bind_target(lora, kLoRADown, down_a, down_b, down_s, E, I, H)})
+    if (err.failure()) return err;
+  return RunExperts(pool, x, idx, weight, in_scale, gate_up_bias, down_bias, scale2, weights, out, fmt, num_experts,
+                    intermediate, group, fields_per_proj, per_expert, act_kind, has_limit, limit, alpha, clamp_after,
+                    max_threads, lora.n_ids ? &lora : nullptr);
 }
 
 // A handler that returns an exception thrown by F (a failed allocation of the call's buffers) as an error to
@@ -526,6 +586,41 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExperts, moe::NoThrow<moe::MoeExpertsC
                                   .Attr<int64_t>("clamp_after")
                                   .Attr<int64_t>("max_threads"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExpertsLoRA, moe::NoThrow<moe::MoeExpertsLoRACall>::Call,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // indices [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // out_weight [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // in_scale [T, K] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate|up bias [E, 2I] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // down bias [E, H] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // NVFP4 scale2 [3, E] or [0]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // adapter ids [T]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate A [n, E, r, H] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate B [n, E, I, r] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate scale [n] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // up A
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // up B
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // up scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // down A [n, E, r, I] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // down B [n, E, H, r] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // down scale
+                                  .RemainingArgs()               // the weight buffers
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H]
+                                  .Attr<int64_t>("fmt")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("intermediate")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("fields_per_proj")
+                                  .Attr<int64_t>("per_expert")
+                                  .Attr<int64_t>("act_kind")
+                                  .Attr<int64_t>("has_limit")
+                                  .Attr<float>("limit")
+                                  .Attr<float>("alpha")
+                                  .Attr<int64_t>("clamp_after")
+                                  .Attr<int64_t>("max_threads"));
+
 // -- the Python module: PyCapsules of the handlers, the chosen ISA ---------------------------------------------
 extern "C" XLA_FFI_Error* MoejaxLinear(XLA_FFI_CallFrame* call_frame);  // csrc/linear_cpu.cc
 extern "C" XLA_FFI_Error* MoejaxScores(XLA_FFI_CallFrame* call_frame);  // csrc/scores_cpu.cc
@@ -535,6 +630,7 @@ static PyObject* registrations(PyObject*, PyObject*) {
   if (!dict) return nullptr;
   const std::pair<const char*, void*> handlers[] = {
       {"moejax_routed_experts", reinterpret_cast<void*>(&MoejaxRoutedExperts)},
+      {"moejax_routed_experts_lora", reinterpret_cast<void*>(&MoejaxRoutedExpertsLoRA)},
       {"moejax_linear", reinterpret_cast<void*>(&MoejaxLinear)},
       {"moejax_scores", reinterpret_cast<void*>(&MoejaxScores)},
   };

@@ -90,17 +90,17 @@ def shared_expert_ffn(
     `float32=True` computes in float32 whatever the weight dtype (the reference). `lora` (a stack's shared
     targets) and `adapter [T]` (the rows' ids) wrap the weights in a `moejax.lora.LoRAExpert` and add the rows'
     deltas to the sigmoid gate's logit before it is rounded and squashed. `ops`: the layer's native matmuls
-    (`moejax.backends.native_layer.LayerOps`: its `shared_ffn` runs the FFN without adapters, its `matmul` the
-    gate's `x @ w`), or None for `ExpertWeights.ffn` and `jnp.dot`."""
+    (`moejax.backends.native_layer.LayerOps`: its `shared_ffn` runs the FFN, the adapters' deltas included, its
+    `matmul` the gate's `x @ w`), or None for `ExpertWeights.ffn` (`LoRAExpert.ffn`) and `jnp.dot`."""
     if float32:
         shared = jax.tree.map(lambda w: w.astype(jnp.float32), shared)
-    w, ids = ExpertWeights(shared.gate, shared.up, shared.down), ()
-    if lora is not None:
-        w, ids = LoRAExpert(w, lora), (adapter,)
-    if ops is not None and lora is None:
-        y = ops.shared_ffn(w, x, shared_activation(cfg))
+    w = ExpertWeights(shared.gate, shared.up, shared.down)
+    if ops is not None:
+        y = ops.shared_ffn(w, x, shared_activation(cfg), lora, adapter)
+    elif lora is not None:
+        y = LoRAExpert(w, lora).ffn(x, shared_activation(cfg), adapter)
     else:
-        y = w.ffn(x, shared_activation(cfg), *ids)
+        y = w.ffn(x, shared_activation(cfg))
     if shared.gate_kernel is not None:
         dtype = shared.gate.dtype
         if ops is None:

@@ -114,8 +114,9 @@ def moe_forward(
     program. The router delta is added to the logits before the selection, the expert and shared-expert deltas
     to their projections (`moejax.lora`); rows with id 0 get the base output bit for bit. Ids outside [0, n]
     are clamped to 0 (no adapter) inside jit; `checked_moe_forward` raises for them instead. The Pallas kernels
-    do not apply adapters: with `lora`, impl="auto" runs the XLA/CPU plans. Differentiable under `jax.jit`
-    (`jax.grad` w.r.t. the adapters, x and the parameters) through every XLA/CPU plan (`moejax.backends`).
+    do not apply adapters: with `lora`, impl="auto" runs the native CPU kernels (which do) or the XLA/CPU plans.
+    Differentiable under `jax.jit` (`jax.grad` w.r.t. the adapters, x and the parameters) through every XLA/CPU
+    plan and the native path (`moejax.backends`).
 
     Dispatch (`moejax.dispatch`): `Local` (one device), `Rows` (x's rows split over a mesh: the default when x or
     params live on several devices, Explicit or Auto axes; the statistics are summed over the row shards),

@@ -25,7 +25,9 @@ The adapters are a weight wrapper, as flax's `LoRALinear` wraps `Linear`: `adapt
 `LoRAExperts` that the plans read as any weight format; its `expert(e)` is a `LoRAExpert` whose `gate_up` /
 `down_proj` take the rows' adapter ids (`Slots.adapter`, routed with the rows by the plans) and add each row's
 deltas to the base format's float32 projections (the shared expert wraps its weights in a `LoRAExpert` too).
-Backends that cannot apply adapters (the kernels, native, ragged) refuse the wrapper, so "auto" runs the plans.
+The native CPU kernels apply them inside their one call (csrc/lora.inc: each (row, expert) pair adds its own
+adapter's deltas, batch-invariant); backends that cannot apply adapters (the Pallas kernels, ragged) refuse the
+wrapper, so "auto" runs native on CPU where built, else the plans.
 `pair_delta(pair, x, adapter)` is one target of one expert of a stack (`pair.a [n+1, r, in]`): decode-sized calls
 gather each row's own adapter; prefill blocks read every adapter of the expert once and each row selects its own
 adapter's product; a row's delta never depends on its neighbours' adapters, not even on their values being

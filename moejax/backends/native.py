@@ -12,6 +12,12 @@ Batch invariance by construction: every output element is one fixed chain of ope
 inputs and the weights (csrc/kernels.inc), so a row's bits do not depend on T, its position, its neighbours or
 the number of threads.
 
+LoRA: the experts wrapped with a stack's adapters (`moejax.lora.LoRAExperts` over any format above) run in the
+same call (the FFI target `moejax_routed_experts_lora`, csrc/lora.inc): each (row, expert) pair adds its own
+adapter's deltas, `s · (x·Aᵀ)·Bᵀ` in float32, to gate and up before the activation and to down before the
+combine; rows with adapter id 0 get the bits of the call without adapters, and a row's bits with its adapter do
+not depend on T, its position or its neighbours (their adapters included).
+
 The extension is optional (setup.py); `available()` says whether it is built, loaded and enabled.
 `enable(False)` hides it (then `impl="auto"` runs the XLA plans); MOEJAX_NATIVE=0 in the environment is the
 initial default (read when the extension is first looked up).
@@ -28,13 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.experts import Slots
+from moejax.lora import LoRAExperts, LoRAPair, clamp_ids
 from moejax.quantized import QuantizedExperts
 from moejax.weights import ExpertFormat, ExpertWeights, FusedExpertWeights, PerExpert
 from pallas_kernels.activations import GatedActivation
-from pallas_kernels.platform import choose_at_lowering
 
 Array = jax.Array
 TARGET = "moejax_routed_experts"
+LORA_TARGET = "moejax_routed_experts_lora"
 _DENSE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
 _FUSED = 3  # + the dense dtype's index
 _QUANTIZED = {("int", 8): 6, ("int", 4): 7, ("fp8_block", 8): 8, ("mxfp4", 4): 9, ("nvfp4", 4): 10}
@@ -86,9 +93,11 @@ def available() -> bool:
 def on_cpu(run, fallback, *operands) -> Array:
     """`run(*operands)` in a program lowered for the CPU, `fallback(*operands)` elsewhere (a GPU or TPU program,
     also one compiled on a CPU host for a compile-only topology): decided while lowering, never by the host's
-    default backend (`pallas_kernels.platform.choose_at_lowering`)."""
-    choose = lambda platform, device_kinds: 0 if platform == "cpu" else 1
-    return choose_at_lowering(choose, (run, fallback), *operands)
+    default backend. By the lowering platform alone (`jax.lax.platform_dependent`, pruned while lowering), as
+    `native_layer`'s ops: `choose_at_lowering` asks for the program's devices, which makes JAX require one mesh
+    across the program, and the routed experts run in programs that mix meshes (a data-parallel input beside an
+    EP forward, tests/test_lora_safety.py)."""
+    return jax.lax.platform_dependent(*operands, cpu=run, default=fallback)
 
 
 def isa() -> str | None:
@@ -103,7 +112,8 @@ def routed_experts(
     """`Σ_k out_weight[t, k] · E_{indices[t, k]}(in_scale · x[t])` `[T, H]` float32 by the native kernels.
 
     Args:
-      experts: routed experts in either layout, any format in the module docstring.
+      experts: routed experts in either layout, any format in the module docstring, or those wrapped with a
+        stack's adapters (`moejax.lora.adapt`; the rows' ids in `slots.adapter`, ids outside the stack: none).
       x: `[T, H]` float32, bfloat16 or float16 (converted to float32 first).
       slots: `Slots`; ids outside [0, E) and slots of weight 0 are skipped (contribute exactly 0).
       act: the gated activation.
@@ -118,11 +128,14 @@ def routed_experts(
     if not available():
         raise NotImplementedError("the native CPU kernels are not built or not loaded (moejax._native_cpu)")
     T, H = _check_rows(x, slots)
-    spec = _weight_spec(experts, H)
+    lora = experts if isinstance(experts, LoRAExperts) else None
+    spec = _weight_spec(experts if lora is None else lora.base, H)
     E, I = spec["E"], spec["I"]
     gu_bias, d_bias = spec["biases"]
     empty = jnp.zeros((0,), jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((T, H), jnp.float32), vmap_method="sequential")
+    adapters = () if lora is None else _lora_operands(lora, slots, E, H, I)
+    target = TARGET if lora is None else LORA_TARGET
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((T, H), jnp.float32), vmap_method="sequential")
     return call(
         x.astype(jnp.float32),
         slots.indices.astype(jnp.int32),
@@ -131,6 +144,7 @@ def routed_experts(
         empty if gu_bias is None else gu_bias,
         empty if d_bias is None else d_bias,
         empty if spec["scale2"] is None else spec["scale2"],
+        *adapters,
         *spec["buffers"],
         fmt=np.int64(spec["fmt"]),
         num_experts=np.int64(E),
@@ -168,6 +182,37 @@ def _check_rows(x: Array, slots: Slots) -> tuple[int, int]:
         if not jnp.issubdtype(value.dtype, jnp.floating):
             raise ValueError(f"native: slots.{name} must be float, got {value.dtype}")
     return T, H
+
+
+def _lora_operands(lora: LoRAExperts, slots: Slots, E: int, H: int, I: int) -> list[Array]:
+    """The LoRA call's operands after the slots: the rows' ids `[T]` int32 (clamped into the stack), then A, B,
+    scale of gate, up and down (float32; three empty arrays for a target without adapters)."""
+    ids = lora.row_ids(slots)
+    targets = {"gate": (H, I), "up": (H, I), "down": (I, H)}
+    pairs = {name: getattr(lora.lora, name) for name in targets}
+    num_ids = {p.scale.shape[0] for p in pairs.values() if p is not None and jnp.ndim(p.scale) == 1}
+    if len(num_ids) > 1:
+        raise ValueError(f"native: the expert targets of lora hold different numbers of adapter ids {num_ids}")
+    n = num_ids.pop() if num_ids else 1
+    out = [clamp_ids(ids, n)]
+    empty = jnp.zeros((0,), jnp.float32)
+    for name, (n_in, n_out) in targets.items():
+        pair = pairs[name]
+        if pair is None:
+            out += [empty, empty, empty]
+            continue
+        _check_pair(name, pair, n, E, n_in, n_out)
+        out += [pair.a.astype(jnp.float32), pair.b.astype(jnp.float32), pair.scale.astype(jnp.float32)]
+    return out
+
+
+def _check_pair(name: str, pair: LoRAPair, n: int, E: int, n_in: int, n_out: int) -> None:
+    """`ValueError` naming the target when its stacked arrays do not fit `[n, E, r, in]`, `[n, E, out, r]`, `[n]`."""
+    r = pair.a.shape[-2] if pair.a.ndim == 4 else None
+    want = ((n, E, r, n_in), (n, E, n_out, r), (n,))
+    got = (tuple(pair.a.shape), tuple(pair.b.shape), tuple(jnp.shape(pair.scale)))
+    if r is None or r < 1 or got != want:
+        raise ValueError(f"native: lora.{name} must be a stack A {want[0]}, B {want[1]}, scale {want[2]}, got {got}")
 
 
 def _weight_spec(experts: PerExpert | ExpertFormat, H: int) -> dict:

@@ -9,7 +9,8 @@ backend is "native" or "auto" (`layer_ops`), the layer runs:
 * `matmul`: `x [T, K] @ w [K, N]` float32 by one FFI call into csrc/linear_cpu.cc (every output one fixed chain
   of fused multiply-adds over k): the router logits `x @ W_router` and the shared expert's sigmoid gate `x @ w`.
 * `shared_ffn`: the shared expert's FFN as one expert of the routed-experts FFI call (csrc/moe_cpu.cc), every row
-  with weight 1.0 (`0 + 1.0 · y` is y exactly).
+  with weight 1.0 (`0 + 1.0 · y` is y exactly), with the shared expert's LoRA adapters in the same call
+  (csrc/lora.inc: each row's own adapter, batch-invariant).
 * `scores(kind, logits)`: the router's softmax / sigmoid / softplus and the shared expert's sigmoid gate by one
   FFI call into csrc/scores_cpu.cc (a scalar `std::exp` per value, a row's softmax summed in column order):
   XLA:CPU's exp gives other bits in a loop's vector body than in its scalar tail, so a row's scores changed with
@@ -31,6 +32,7 @@ import numpy as np
 
 from moejax.backends import native
 from moejax.experts import Slots
+from moejax.lora import ExpertLoRA, FFNLoRA, LoRAExpert, LoRAExperts, LoRAPair
 from moejax.routing import xla_scores
 from moejax.weights import ExpertWeights
 from pallas_kernels.activations import GatedActivation
@@ -140,44 +142,54 @@ def scores(kind: str, logits: Array) -> Array:
     return run(logits)
 
 
-def shared_ffn(w: ExpertWeights, x: Array, act: GatedActivation) -> Array:
+def shared_ffn(
+    w: ExpertWeights, x: Array, act: GatedActivation, lora: FFNLoRA | None = None, adapter: Array | None = None
+) -> Array:
     """The shared expert's gated FFN on all rows `x [T, H]` -> `[T, H]` float32.
 
-    `w`: one expert's dense weights (`[H, Is]`, `[H, Is]`, `[Is, H]`, no expert axis). On CPU one routed-experts
-    FFI call with `w` as the only expert and every row's weight 1.0; elsewhere (and for the backward) `w.ffn`, the
-    XLA path."""
+    `w`: one expert's dense weights (`[H, Is]`, `[H, Is]`, `[Is, H]`, no expert axis). `lora`: the shared
+    expert's targets of a stack (`a [n+1, r, in]`, `moejax.lora.SharedLoRA`; its sigmoid gate is not read here)
+    and `adapter [T]` the rows' ids, or None. On CPU one routed-experts FFI call with `w` as the only expert
+    (its adapters too) and every row's weight 1.0; elsewhere (and for the backward) `w.ffn` or
+    `LoRAExpert.ffn`, the XLA path."""
+    if lora is not None:
+        lora = FFNLoRA(lora.gate, lora.up, lora.down)  # the FFN's targets (not the sigmoid gate's)
 
     @jax.custom_vjp
-    def ffn(w, x):
-        return _on_cpu(_native_ffn, _xla_ffn, w, x)
+    def ffn(w, x, lora, adapter):
+        return _on_cpu(_native_ffn, _xla_ffn, w, x, lora, adapter)
 
-    def _native_ffn(w, x):
+    def _native_ffn(w, x, lora, adapter):
         stacked = jax.tree.map(lambda a: a[None], w)  # [1, ...]: a bitcast, read in place
         T = x.shape[0]
-        slots = Slots(jnp.zeros((T, 1), jnp.int32), jnp.ones((T, 1), jnp.float32))
+        slots = Slots(jnp.zeros((T, 1), jnp.int32), jnp.ones((T, 1), jnp.float32), None, adapter)
+        if lora is not None:  # the expert axis of the routed experts' stacks: a [n+1, 1, r, in], b [n+1, 1, out, r]
+            one = lambda p: None if p is None else LoRAPair(p.a[:, None], p.b[:, None], p.scale)
+            stacked = LoRAExperts(stacked, ExpertLoRA(one(lora.gate), one(lora.up), one(lora.down)))
         return native.routed_experts(stacked, x, slots, act, max_threads=_MAX_THREADS)
 
-    def _xla_ffn(w, x):
-        return w.ffn(x, act)
+    def _xla_ffn(w, x, lora, adapter):
+        return w.ffn(x, act) if lora is None else LoRAExpert(w, lora).ffn(x, act, adapter)
 
-    def fwd(w, x):
-        return ffn(w, x), (w, x)
+    def fwd(w, x, lora, adapter):
+        return ffn(w, x, lora, adapter), (w, x, lora, adapter)
 
     def bwd(residuals, cotangent):
         return jax.vjp(_xla_ffn, *residuals)[1](cotangent)
 
     ffn.defvjp(fwd, bwd)
-    return ffn(w, x)
+    return ffn(w, x, lora, adapter)
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerOps:
     """The layer's ops besides the routed experts, as the pipeline passes them down: `matmul(x, w)` for the
-    router logits and the shared expert's gate, `shared_ffn(w, x, act)` for the shared expert's FFN, `scores(kind,
-    logits)` for the router's scores and the shared expert's sigmoid gate."""
+    router logits and the shared expert's gate, `shared_ffn(w, x, act, lora, adapter)` for the shared expert's FFN
+    (with its adapters, or None), `scores(kind, logits)` for the router's scores and the shared expert's sigmoid
+    gate."""
 
     matmul: Callable[[Array, Array], Array] = matmul
-    shared_ffn: Callable[[ExpertWeights, Array, GatedActivation], Array] = shared_ffn
+    shared_ffn: Callable[..., Array] = shared_ffn
     scores: Callable[[str, Array], Array] = scores
 
 
