@@ -4,8 +4,9 @@ Eager `jax.random.normal(key, shape)` compiles one program per shape (threefry a
 ~0.2 CPU s each), so a new small config cost ~2 CPU s of compiles in `init_params` (the test suite makes
 hundreds). Threefry's counter is the element's flat index (`jax_threefry_partitionable`, the default), so the
 first n values of a draw of any longer 1-D shape are the n values of `shape`: a small draw is cut on the host
-from a draw of a power-of-two length, one compile per length. Scaled and cast on the host too (numpy's float32
-operations and ml_dtypes' casts round as XLA's do, one operation at a time as the eager ops ran).
+from a draw of a power-of-two length, one compile per length. Scaled and cast on the host too, bit for bit as
+the eager ops did: numpy's float32 operations (a Python scalar operand is taken as float32) and ml_dtypes' casts
+round as XLA's do, and a division by a constant is XLA's product with the float32 reciprocal (`divided`).
 """
 
 from __future__ import annotations
