@@ -2,16 +2,7 @@
 
 import os
 
-# XLA:CPU's cheap LLVM pipeline (-O0, no expensive passes): compiles are most of the suite's CPU time, and this
-# cuts them by a fifth (tests/test_pallas_grouped.py 53.1 -> 42.7 CPU s, tests/test_quantized.py 61.4 -> 51.5);
-# the checks compare programs compiled alike, or numbers within tolerances. test_families, test_data_parallel,
-# the notebooks and the gpu_bench smoke test used it already. XLA's default pipeline: set XLA_FLAGS yourself
-# (`XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest ...`).
-os.environ.setdefault(
-    "XLA_FLAGS",
-    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    " --xla_llvm_disable_expensive_passes=true",
-)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import hypothesis
