@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import MoEConfig, SharedExpert
+from moejax.draws import as_array, standard_normal
 from moejax.placement import Placement
 from moejax.weights import (
     ArraySpec,
@@ -73,11 +74,11 @@ BUFFERS = frozenset({"router.correction_bias", "router.tid2eid"})  # not trainab
 
 def _ones_ish(key: Array, shape: tuple[int, ...], dtype) -> Array:
     """`1 + N(0, 0.1²)`: scales that visibly change the output."""
-    return (1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return as_array(1.0 + 0.1 * standard_normal(key, shape), dtype)
 
 
 def _correction_bias(key: Array, shape: tuple[int, ...], dtype) -> Array:
-    return 0.1 * jax.random.normal(key, shape, jnp.float32)
+    return as_array(0.1 * standard_normal(key, shape), jnp.float32)
 
 
 def _hash_table(num_selectable: int):

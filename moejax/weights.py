@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Literal
 import jax
 import jax.numpy as jnp
 
+from moejax.draws import as_array, divided, standard_normal
 from pallas_kernels.activations import GatedActivation
 
 Array = jax.Array
@@ -46,17 +47,17 @@ Initializer = Callable[[Array, tuple[int, ...], Any], Array]
 
 def normal_fan_in(key: Array, shape: tuple[int, ...], dtype: Any) -> Array:
     """`N(0, 1/fan_in)` with fan_in the second-to-last dimension (weights are stored `[in, out]`)."""
-    return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[-2])).astype(dtype)
+    return as_array(divided(standard_normal(key, shape), math.sqrt(shape[-2])), dtype)
 
 
 def normal_fan_in_rows(key: Array, shape: tuple[int, ...], dtype: Any) -> Array:
     """`N(0, 1/fan_in)` with fan_in the last dimension (weights stored `[out, in]`)."""
-    return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[-1])).astype(dtype)
+    return as_array(divided(standard_normal(key, shape), math.sqrt(shape[-1])), dtype)
 
 
 def small_normal(key: Array, shape: tuple[int, ...], dtype: Any) -> Array:
     """`N(0, 0.1²)`: biases that visibly change the output."""
-    return (0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return as_array(0.1 * standard_normal(key, shape), dtype)
 
 
 @dataclasses.dataclass(frozen=True)
