@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from multihost_worker import numpy_params
+from xla_pipeline import DEFAULT_PIPELINE
 
 import moejax
 
@@ -92,7 +93,7 @@ def test_row_bits_do_not_depend_on_neighbours(family, T, impl, dtype):
     cfg = moejax.MoEConfig.preset(family)
     layout = "per_expert" if impl.startswith("cpu") else "stacked"
     params = moejax.init_params(cfg, jax.random.key(0), dtype, layout=layout)
-    forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
+    forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"), compiler_options=DEFAULT_PIPELINE)
     x = jax.random.normal(jax.random.key(1), (T, cfg.hidden_size)).astype(dtype)
     base = forward(params, x, cfg, impl=impl)
     rows = (0, T // 2, T - 1)
@@ -122,7 +123,7 @@ def test_routing_row_sums_are_one_fixed_tree(N):
     from moejax.routing import row_sum
 
     rng = np.random.default_rng(N)
-    fn = jax.jit(row_sum)
+    fn = jax.jit(row_sum, compiler_options=DEFAULT_PIPELINE)
     row = rng.exponential(size=(1, N)).astype(np.float32)
     alone = np.asarray(fn(row))[0, 0]
     assert alone == _tree_sum(row[0])

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from xla_pipeline import DEFAULT_PIPELINE
 
 import moejax
 from moejax import backends
@@ -35,11 +36,6 @@ def _layer(family: str, dtype=jnp.float32):
 
 def _rows(T: int, seed: int, dtype=jnp.float32) -> np.ndarray:
     return np.array(jax.random.normal(jax.random.key(seed), (T, H), jnp.float32).astype(dtype))
-
-
-# XLA's default pipeline whatever XLA_FLAGS say: the cheap one (level 0) vectorizes nothing, so its exp has the same
-# bits at every position, which hides the bits that change with a loop's vector body and tail (docs/DESIGN.md).
-DEFAULT_PIPELINE = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
 
 
 @functools.cache
