@@ -42,6 +42,7 @@ def _native_extensions() -> list[Extension]:
                 "csrc/linear_kernel.inc",
                 "csrc/lora.inc",
                 "csrc/lora_kernels.inc",
+                "csrc/parallel.inc",
             ],
             extra_compile_args=compile_args,
             extra_link_args=link_args,

@@ -11,7 +11,7 @@
 // order.
 //
 // Threads: work items (block of rows x chunk of columns) taken from an atomic counter by XLA's intra-op pool
-// (the FFI's ThreadPool context) and the calling thread, the same scheme as moe_cpu.cc.
+// (the FFI's ThreadPool context) and the calling thread, csrc/parallel.inc, shared with moe_cpu.cc.
 //
 // ISA: the kernel is compiled twice, as linear::avx2 (`#pragma GCC target("avx2,fma,f16c")`) and
 // linear::generic (baseline flags, any CPU); the variant is chosen once at load, MOEJAX_NATIVE_ISA=generic (or
@@ -158,35 +158,8 @@ static const Kernel* best_kernels() {
   return chosen;
 }
 
-// -- threads (the scheme of moe_cpu.cc) -----------------------------------------------------------------------
-struct ParallelState {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t n = 0;
-  std::function<void(int64_t)> fn;
-
-  void work() {
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
-      fn(i);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// fn(0..n-1) on the pool's threads and the calling thread; returns when all n have run. A scheduled task that
-// starts after the call ended finds no item and touches nothing but the shared state it holds.
-static void parallel_for(ffi::ThreadPool* pool, int64_t n, int max_threads, std::function<void(int64_t)> fn) {
-  if (n <= 0) return;
-  auto state = std::make_shared<ParallelState>();
-  state->n = n;
-  state->fn = std::move(fn);
-  int64_t helpers = pool ? std::min<int64_t>(pool->num_threads(), n - 1) : 0;
-  if (max_threads > 0) helpers = std::min<int64_t>(helpers, max_threads - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool->Schedule([state] { state->work(); });
-  state->work();
-  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-}
+// -- threads -------------------------------------------------------------------------------------------------
+#include "parallel.inc"
 
 static ffi::Error LinearCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                              ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> y, int64_t max_threads,

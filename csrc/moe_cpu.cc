@@ -263,37 +263,8 @@ static void select_isa() {
 #endif
 }
 
-// -- threads -------------------------------------------------------------------------------------------------
-struct ParallelState {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t n = 0;
-  std::function<void(int64_t)> fn;
-
-  void work() {
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
-      fn(i);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// fn(0..n-1) on the pool's threads and the calling thread; returns when all n have run.
-static void parallel_for(ffi::ThreadPool* pool, int64_t n, int max_threads, std::function<void(int64_t)> fn) {
-  if (n <= 0) return;
-  auto state = std::make_shared<ParallelState>();
-  state->n = n;
-  state->fn = std::move(fn);
-  // The pool's size is the core count: the caller plus num_threads - 1 helpers fill the cores (one more would
-  // only time-slice with them, whether or not the caller is itself a pool thread).
-  int64_t helpers = pool ? std::min<int64_t>(pool->num_threads() - 1, n - 1) : 0;
-  if (max_threads > 0) helpers = std::min<int64_t>(helpers, max_threads - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool->Schedule([state] { state->work(); });
-  state->work();
-  // Items not yet done were taken by running threads: waiting for them cannot deadlock.
-  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-}
+// -- threads ----------------------------------------------------------------------------------------------
+#include "parallel.inc"
 
 // -- phase 0 -------------------------------------------------------------------------------------------------
 static uint64_t row_hash(const float* row, int H) {

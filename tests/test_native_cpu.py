@@ -410,3 +410,19 @@ def test_without_the_extension_auto_runs_the_cpu_plans(monkeypatch):
         assert not native.available()
     finally:
         native._module.cache_clear()
+
+
+@built
+def test_column_chunks_after_the_first_with_several_k_blocks_match_oracle():
+    """[in, out] kernels over several K blocks (544 inputs: 256 + 256 + 32) in column chunks after the first (down's
+    544 outputs: chunks of 256 + 256 + 32; gate/up's 288: 256 + 32, a partial strip), where the next block's tile is
+    prefetched and the totals of a chunk wait between K blocks; a row alone bit-identical to it in a batch."""
+    E, K, T, H, I = 2, 2, 5, 544, 288
+    act = ACTIVATIONS["silu"]
+    run = jax.jit(lambda e, x, s: native.routed_experts(e, x, s, act))
+    experts = _quantized("int4_g32", E=E, H=H, I=I)
+    x, slots = _x(T, H, 7), _slots(T, K, E, 7, skipped=False)
+    got = np.asarray(run(experts, x, slots))
+    _assert_close(got, _oracle(experts, x, slots, act), "int4_g32")
+    alone = run(experts, x[2:3], Slots(slots.indices[2:3], slots.out_weight[2:3]))
+    np.testing.assert_array_equal(np.asarray(alone)[0], got[2], err_msg="row 2 alone")
