@@ -48,9 +48,10 @@ class Routing:
 
 
 def rms_normalize(x: Array, eps: float) -> Array:
-    """`x * rsqrt(mean(x²) + eps)` computed in float32 and cast back to x's dtype (every family's RMSNorm)."""
+    """`x * rsqrt(mean(x²) + eps)` computed in float32 and cast back to x's dtype (every family's RMSNorm); the
+    sum by `row_sum`'s fixed tree, so a row's norm does not depend on the rows beside it."""
     xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return (xf * jax.lax.rsqrt(row_sum(xf * xf) / x.shape[-1] + eps)).astype(x.dtype)
 
 
 def round_to(values: Array, dtype: jnp.dtype) -> Array:
