@@ -17,22 +17,11 @@ import time
 
 import jax
 import jax.numpy as jnp
+from quant_bench import FORMATS  # the formats quant_bench times (this script's directory is on sys.path)
 
 import moejax
 from moejax.backends import native
 from moejax.bench import MODEL_LAYERS
-from moejax.quantized import format_by_name
-from moejax.weights import ExpertWeights
-
-FORMATS = {
-    "float32": (ExpertWeights, jnp.float32),
-    "bfloat16": (ExpertWeights, jnp.bfloat16),
-    "int8": (format_by_name("int8"), jnp.bfloat16),
-    "int4": (format_by_name("int4"), jnp.bfloat16),
-    "fp8_block": (format_by_name("fp8_block"), jnp.bfloat16),
-    "mxfp4": (format_by_name("mxfp4"), jnp.bfloat16),
-    "nvfp4": (format_by_name("nvfp4"), jnp.bfloat16),
-}
 
 
 def compile_seconds(cfg: moejax.MoEConfig, params, x) -> tuple[float, float]:

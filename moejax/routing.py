@@ -249,12 +249,13 @@ def route(
             raise ValueError("route: lora given without adapter (the rows' adapter ids)")
         adapter = adapter.reshape(-1)
     logits = router_logits(router, x, cfg, lora, adapter, matmul=matmul)
+    scores = xla_scores if scores is None else scores
     K = cfg.top_k
     if cfg.score_order is ScoreOrder.AFTER_TOPK:
         selected_logits, indices = jax.lax.top_k(logits, K)
         # gpt-oss: softmax over the k selected logits; Llama-4: sigmoid of each. Float32, rounded below.
         kind = "softmax" if cfg.scoring is Scoring.SOFTMAX else "sigmoid"
-        weights = (xla_scores if scores is None else scores)(kind, selected_logits)
+        weights = scores(kind, selected_logits)
     else:
         probs = scores_from_logits(logits, cfg.scoring, policy_dtype(cfg.score_dtype, x), scores)  # [T, N]
         if cfg.hash_routing:

@@ -124,22 +124,22 @@ def native_scores(kind: str, logits: Array) -> Array:
     return call(logits, kind=np.int64(_SCORE_KINDS[kind]))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def scores(kind: str, logits: Array) -> Array:
     """`xla_scores(kind, logits)`: by `native_scores` in a program lowered for the CPU, by XLA elsewhere;
     gradients are XLA's."""
+    return _on_cpu(functools.partial(native_scores, kind), functools.partial(xla_scores, kind), logits)
 
-    @jax.custom_vjp
-    def run(logits):
-        return _on_cpu(functools.partial(native_scores, kind), functools.partial(xla_scores, kind), logits)
 
-    def fwd(logits):
-        return run(logits), logits
+def _scores_fwd(kind, logits):
+    return scores(kind, logits), logits
 
-    def bwd(logits, cotangent):
-        return jax.vjp(functools.partial(xla_scores, kind), logits)[1](cotangent)
 
-    run.defvjp(fwd, bwd)
-    return run(logits)
+def _scores_bwd(kind, logits, cotangent):
+    return jax.vjp(functools.partial(xla_scores, kind), logits)[1](cotangent)
+
+
+scores.defvjp(_scores_fwd, _scores_bwd)
 
 
 def shared_ffn(
