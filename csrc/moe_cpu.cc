@@ -515,6 +515,40 @@ static ffi::Error MoeExpertsLoRACall(
                     max_threads, lora.n_ids ? &lora : nullptr);
 }
 
+// One LoRA target's deltas per row, for what has no experts (the router's logits, the shared expert's sigmoid
+// gate: moejax.backends.native_layer.lora_delta): out[t] = s[a] · (x[t] · A[a]ᵀ) · B[a]ᵀ with a the row's adapter
+// (ids outside [0, n) are 0), zeros on rows without one. Each value is one fixed chain (lora_row_delta): a row's
+// bits do not depend on T, its position, its neighbours or the threads.
+static ffi::Error LoRADeltaCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
+                                ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Buffer<ffi::F32> s,
+                                ffi::ResultBuffer<ffi::F32> out, int64_t max_threads) {
+  const auto xd = x.dimensions(), bd = b.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || ids.element_count() != static_cast<size_t>(xd[0]))
+    return ffi::Error::InvalidArgument("moejax native lora delta: x [T, in] and adapter ids [T]");
+  if (bd.size() != 4 || od.size() != 2 || od[0] != xd[0] || od[1] != bd[2])
+    return ffi::Error::InvalidArgument("moejax native lora delta: B [n, 1, out, r] and out [T, out]");
+  const int T = static_cast<int>(xd[0]), n_in = static_cast<int>(xd[1]), n_out = static_cast<int>(bd[2]);
+  LoRAJob L;
+  L.ids = ids.typed_data();
+  if (auto err = lora_bind_target(L, 0, a, b, s, 1, n_in, n_out, "delta"); err.failure()) return err;
+  if (!L.t[0].on()) return ffi::Error::InvalidArgument("moejax native lora delta: empty A, B and scale");
+  const LoRATarget& t = L.t[0];
+  const auto row_delta = lora_kernels().row_delta;
+  const float* xs = x.typed_data();
+  float* y = out->typed_data();
+  constexpr int kRows = 8;  // rows per work item
+  parallel_for(&pool, (T + kRows - 1) / kRows, static_cast<int>(max_threads), [&](int64_t i) {
+    std::vector<float> u(t.r);
+    for (int r = static_cast<int>(i) * kRows; r < std::min(T, static_cast<int>(i + 1) * kRows); ++r) {
+      float* o = y + static_cast<size_t>(r) * n_out;
+      const int ad = L.row_id(r);
+      if (ad == 0) std::fill(o, o + n_out, 0.0f);
+      else row_delta(t, ad, xs + static_cast<size_t>(r) * n_in, u.data(), o);
+    }
+  });
+  return ffi::Error::Success();
+}
+
 // A handler that returns an exception thrown by F (a failed allocation of the call's buffers) as an error to
 // XLA instead of unwinding through the FFI's C boundary; the signature is F's.
 template <auto F>
@@ -592,6 +626,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExpertsLoRA, moe::NoThrow<moe::MoeExpe
                                   .Attr<int64_t>("clamp_after")
                                   .Attr<int64_t>("max_threads"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLoRADelta, moe::NoThrow<moe::LoRADeltaCall>::Call,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, in]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // adapter ids [T]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // A [n, 1, r, in]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // B [n, 1, out, r]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [n]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, out]
+                                  .Attr<int64_t>("max_threads"));
+
 // -- the Python module: PyCapsules of the handlers, the chosen ISA ---------------------------------------------
 extern "C" XLA_FFI_Error* MoejaxLinear(XLA_FFI_CallFrame* call_frame);  // csrc/linear_cpu.cc
 extern "C" XLA_FFI_Error* MoejaxScores(XLA_FFI_CallFrame* call_frame);  // csrc/scores_cpu.cc
@@ -602,6 +647,7 @@ static PyObject* registrations(PyObject*, PyObject*) {
   const std::pair<const char*, void*> handlers[] = {
       {"moejax_routed_experts", reinterpret_cast<void*>(&MoejaxRoutedExperts)},
       {"moejax_routed_experts_lora", reinterpret_cast<void*>(&MoejaxRoutedExpertsLoRA)},
+      {"moejax_lora_delta", reinterpret_cast<void*>(&MoejaxLoRADelta)},
       {"moejax_linear", reinterpret_cast<void*>(&MoejaxLinear)},
       {"moejax_scores", reinterpret_cast<void*>(&MoejaxScores)},
   };

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import Activation, MoEConfig
-from moejax.lora import LoRAExpert, SharedLoRA, add_pair
+from moejax.lora import LoRAExpert, SharedLoRA, add_delta, pair_delta
 from moejax.params import SharedParams
 from moejax.routing import Routing
 from moejax.weights import ExpertWeights
@@ -107,8 +107,9 @@ def shared_expert_ffn(
             g = jnp.dot(x.astype(dtype), shared.gate_kernel.astype(dtype), preferred_element_type=jnp.float32)
         else:
             g = ops.matmul(x.astype(dtype), shared.gate_kernel.astype(dtype))  # [T, 1]
-        if lora is not None:
-            g = add_pair(g, lora.gate_kernel, x, adapter)
+        if lora is not None and lora.gate_kernel is not None:
+            delta = pair_delta if ops is None else ops.lora_delta
+            g = add_delta(g, delta(lora.gate_kernel, x, adapter), adapter)
         g = g.astype(dtype).astype(jnp.float32)
         y = (jax.nn.sigmoid(g) if ops is None else ops.scores("sigmoid", g)) * y
     return y

@@ -284,7 +284,7 @@ def _expert_operands(params, lora, rows: dict[str, Array], routing: Routing | No
     adapter = rows.get("adapter")
     if routing is None:
         adapters = {} if lora is None else {"lora": lora.router, "adapter": adapter}
-        native = {} if ops is None else {"matmul": ops.matmul, "scores": ops.scores}
+        native = {} if ops is None else {"matmul": ops.matmul, "scores": ops.scores, "lora_delta": ops.lora_delta}
         routing = route(params, rows["x"], cfg, rows.get("token_ids"), **adapters, **native)
     return routing, expert_input(params, rows["x"], cfg), slots_from_routing(routing, cfg, adapter)
 

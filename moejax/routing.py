@@ -78,12 +78,14 @@ def router_logits(
     adapter: Array | None = None,
     *,
     matmul: Callable[[Array, Array], Array] | None = None,
+    lora_delta: Callable[[LoRAPair, Array, Array], Array] | None = None,
 ) -> Array:
     """Router logits `[T, N]` float32: accumulated in float32, bias added, rounded once to `cfg.router_dtype`
     (a bf16 Linear in the model dtype rounds its output once, after the bias).
 
     `matmul(x, w) -> [T, N]` float32 computes `x @ W_router` (the pipeline passes the native, batch-invariant one
-    on CPU: `moejax.backends.native_layer`); None: `jnp.dot` accumulating in float32.
+    on CPU: `moejax.backends.native_layer`); None: `jnp.dot` accumulating in float32. `lora_delta(lora, x,
+    adapter) -> [T, N]` likewise computes the adapters' deltas; None: `moejax.lora.pair_delta`.
 
     `lora` (a stack's router target, `a [n+1, r, H]`) and `adapter [T]` (the rows' clamped ids): each row's
     delta `s·(x·Aᵀ)·Bᵀ` (float32) is added to the float32 logits before the bias and the rounding, so before
@@ -98,7 +100,8 @@ def router_logits(
     else:
         logits = matmul(x.astype(dtype), router.kernel.astype(dtype))
     if lora is not None:
-        logits = add_delta(logits, pair_delta(lora, x, adapter), adapter)
+        delta = (pair_delta if lora_delta is None else lora_delta)(lora, x, adapter)
+        logits = add_delta(logits, delta, adapter)
     if router.bias is not None:
         logits = logits + router.bias.astype(dtype).astype(jnp.float32)
     return round_to(logits, dtype)
@@ -223,6 +226,7 @@ def route(
     adapter: Array | None = None,
     matmul: Callable[[Array, Array], Array] | None = None,
     scores: Callable[[str, Array], Array] | None = None,
+    lora_delta: Callable[[LoRAPair, Array, Array], Array] | None = None,
 ) -> Routing:
     """Route tokens `x [T, H]` (or `[..., H]`, flattened) to `cfg.top_k` experts each.
 
@@ -236,6 +240,8 @@ def route(
       matmul: computes the logits' `x @ W_router` (`router_logits`); None: `jnp.dot`.
       scores: `scores(kind, logits)` computes the softmax / sigmoid / softplus of float32 logits
         (`scores_from_logits`); None: `xla_scores`.
+      lora_delta: computes the adapters' deltas `lora_delta(lora, x, adapter) -> [T, N]` (`router_logits`);
+        None: `moejax.lora.pair_delta`.
     Returns:
       `Routing` with `indices [T, K] int32`, `weights [T, K] float32`, `logits [T, N] float32`, and
       `zero_weight [T]` when the config has zero-computation experts.
@@ -248,7 +254,7 @@ def route(
         if adapter is None:
             raise ValueError("route: lora given without adapter (the rows' adapter ids)")
         adapter = adapter.reshape(-1)
-    logits = router_logits(router, x, cfg, lora, adapter, matmul=matmul)
+    logits = router_logits(router, x, cfg, lora, adapter, matmul=matmul, lora_delta=lora_delta)
     scores = xla_scores if scores is None else scores
     K = cfg.top_k
     if cfg.score_order is ScoreOrder.AFTER_TOPK:

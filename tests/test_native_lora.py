@@ -218,3 +218,57 @@ def test_layer_gradients_with_adapters_equal_the_references():
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
     assert np.abs(got[0].shared.down.b[1:]).max() > 1e-3 and np.abs(got[0].experts.down.b[1:]).max() > 1e-3
+
+
+def test_router_and_shared_gate_deltas_native_match_pair_delta_and_its_gradients():
+    """`native_layer.lora_delta` (the router's and the shared expert's sigmoid gate's adapters) against XLA's
+    `pair_delta`: values at odd sizes (in=37, out=11, rank 5) with ids 0, in range and clamped, zeros on id-0 rows,
+    a row's bits alone equal its bits inside 40 rows; gradients are `pair_delta`'s; bad shapes raise in Python."""
+    from moejax.backends import native_layer
+    from moejax.lora import pair_delta
+
+    rng = np.random.default_rng(11)
+    n, r, n_in, n_out, T = 4, 5, 37, 11, 40
+    pair = LoRAPair(_normal(rng, (n, r, n_in), n_in), _normal(rng, (n, n_out, r), 1), jnp.asarray([0, 0.5, 2, -1.0]))
+    x = _x(T, n_in, 12)
+    ids = clamp_ids(jnp.asarray(rng.integers(-1, n + 2, T), jnp.int32), n)
+    got = np.asarray(native_layer.native_lora_delta(pair, x, ids))
+    np.testing.assert_allclose(got, pair_delta(pair, x, ids), rtol=1e-5, atol=1e-5)
+    assert (got[np.asarray(ids) == 0] == 0).all() and np.abs(got).max() > 0.1
+    for pos in (0, 17, T - 1):
+        alone = native_layer.native_lora_delta(pair, x[pos : pos + 1], ids[pos : pos + 1])
+        np.testing.assert_array_equal(got[pos], np.asarray(alone)[0], err_msg=f"position {pos}")
+    c = jnp.cos(jnp.arange(T * n_out, dtype=jnp.float32)).reshape(T, n_out)
+    grads = [
+        jax.grad(lambda p, x, f=f: jnp.sum(c * f(p, x, ids)), argnums=(0, 1))(pair, x)
+        for f in (native_layer.lora_delta, pair_delta)
+    ]
+    for g, w in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="b must be"):
+        native_layer.native_lora_delta(LoRAPair(pair.a, pair.b[:, :, :2], pair.scale), x, ids)
+    with pytest.raises(ValueError, match="adapter must be"):
+        native_layer.native_lora_delta(pair, x, ids[:3])
+
+
+def test_a_rows_layer_output_with_router_and_shared_gate_adapters_does_not_depend_on_the_batch():
+    """qwen2_moe with adapters on every target (the router and the shared expert's sigmoid gate included): a row
+    with adapter 1 alone equals the same row inside batches of 9 and 300 rows of mixed ids, bit for bit, under
+    XLA's default pipeline. With XLA's `pair_delta` for the router (its form changes at 8 rows) this fails."""
+    from xla_pipeline import DEFAULT_PIPELINE
+
+    params, x0, lora = _layer()
+    forward = jax.jit(
+        lambda p, x, ids: moejax.moe_forward(p, x, CFG, lora=lora, adapter_ids=ids), compiler_options=DEFAULT_PIPELINE
+    )
+    row = x0[:1]
+    alone = np.asarray(forward(params, row, jnp.asarray([1], jnp.int32)))[0]
+    for T in (9, 300):
+        rng = np.random.default_rng(T)
+        x = np.array(_x(T, CFG.hidden_size, T))
+        ids = rng.integers(0, 3, T).astype(np.int32)
+        positions = sorted({0, T // 2, T - 1})
+        x[positions], ids[positions] = np.asarray(row[0]), 1
+        got = np.asarray(forward(params, jnp.asarray(x), jnp.asarray(ids)))
+        for pos in positions:
+            np.testing.assert_array_equal(got[pos], alone, err_msg=f"T={T} position {pos}")

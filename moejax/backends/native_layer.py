@@ -11,6 +11,9 @@ backend is "native" or "auto" (`layer_ops`), the layer runs:
 * `shared_ffn`: the shared expert's FFN as one expert of the routed-experts FFI call (csrc/moe_cpu.cc), every row
   with weight 1.0 (`0 + 1.0 · y` is y exactly), with the shared expert's LoRA adapters in the same call
   (csrc/lora.inc: each row's own adapter, batch-invariant).
+* `lora_delta(pair, x, adapter)`: the router's and the shared expert's sigmoid gate's LoRA deltas, each row's own
+  adapter's `s · (x·Aᵀ)·Bᵀ`, by one FFI call into csrc/moe_cpu.cc (the chains of the experts' adapters,
+  csrc/lora_kernels.inc): XLA's `pair_delta` changes its form with the row count.
 * `scores(kind, logits)`: the router's softmax / sigmoid / softplus and the shared expert's sigmoid gate by one
   FFI call into csrc/scores_cpu.cc (a scalar `std::exp` per value, a row's softmax summed in column order):
   XLA:CPU's exp gives other bits in a loop's vector body than in its scalar tail, so a row's scores changed with
@@ -32,7 +35,7 @@ import numpy as np
 
 from moejax.backends import native
 from moejax.experts import Slots
-from moejax.lora import ExpertLoRA, FFNLoRA, LoRAExpert, LoRAExperts, LoRAPair
+from moejax.lora import ExpertLoRA, FFNLoRA, LoRAExpert, LoRAExperts, LoRAPair, pair_delta
 from moejax.routing import xla_scores
 from moejax.weights import ExpertWeights
 from pallas_kernels.activations import GatedActivation
@@ -40,6 +43,7 @@ from pallas_kernels.activations import GatedActivation
 Array = jax.Array
 LINEAR = "moejax_linear"
 SCORES = "moejax_scores"
+LORA_DELTA = "moejax_lora_delta"
 _SCORE_KINDS = {"softmax": 0, "sigmoid": 1, "softplus": 2}
 _WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -142,6 +146,56 @@ def _scores_bwd(kind, logits, cotangent):
 scores.defvjp(_scores_fwd, _scores_bwd)
 
 
+def native_lora_delta(pair: LoRAPair, x: Array, adapter: Array, *, max_threads: int = 0) -> Array:
+    """`pair_delta(pair, x, adapter)` by the native op: each row's `s[a] · (x·A[a]ᵀ)·B[a]ᵀ` float32 `[T, out]` for
+    its adapter `a` (0 on rows with id 0 or outside the stack), every value one fixed chain (batch-invariant).
+
+    Args:
+      pair: a stacked target without an expert axis: `a [n, r, in]`, `b [n, out, r]`, `scale [n]` (any float
+        dtype, converted to float32).
+      x: `[T, in]` (converted to float32, exactly).
+      adapter: `[T]` int32 adapter ids.
+      max_threads: at most this many threads (the caller's included); 0: the whole intra-op pool.
+
+    Raises:
+      NotImplementedError: the extension is not built or not enabled.
+      ValueError: shapes that do not fit, naming the array.
+    """
+    if not native.available():
+        raise NotImplementedError("the native CPU kernels are not built or not enabled (moejax._native_cpu)")
+    a, b, scale = pair.a, pair.b, jnp.asarray(pair.scale)
+    if a.ndim != 3 or x.ndim != 2 or a.shape[2] != x.shape[1] or a.shape[1] < 1:
+        raise ValueError(f"native lora_delta: a must be [n, r, in] and x [T, in], got {a.shape=} {x.shape=}")
+    n, r = a.shape[:2]
+    if b.ndim != 3 or b.shape[0] != n or b.shape[2] != r or scale.shape != (n,):
+        raise ValueError(f"native lora_delta: b must be [{n}, out, {r}] and scale [{n}], got {b.shape=} {scale.shape=}")
+    if adapter.shape != (x.shape[0],):
+        raise ValueError(f"native lora_delta: adapter must be [T]=({x.shape[0]},), got {adapter.shape}")
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(LORA_DELTA, jax.ShapeDtypeStruct((x.shape[0], b.shape[1]), f32), vmap_method="sequential")
+    operands = (a.astype(f32)[:, None], b.astype(f32)[:, None], scale.astype(f32))  # [n, 1, ...]: E = 1
+    return call(x.astype(f32), adapter.astype(jnp.int32), *operands, max_threads=np.int64(max_threads))
+
+
+@jax.custom_vjp
+def lora_delta(pair: LoRAPair, x: Array, adapter: Array) -> Array:
+    """`pair_delta(pair, x, adapter)` (never None: `pair` is given): by `native_lora_delta` in a program lowered
+    for the CPU, by XLA elsewhere; gradients are `pair_delta`'s."""
+    native_run = lambda pair, x, adapter: native_lora_delta(pair, x, adapter, max_threads=_MAX_THREADS)
+    return _on_cpu(native_run, pair_delta, pair, x, adapter)
+
+
+def _lora_delta_fwd(pair, x, adapter):
+    return lora_delta(pair, x, adapter), (pair, x, adapter)
+
+
+def _lora_delta_bwd(residuals, cotangent):
+    return jax.vjp(pair_delta, *residuals)[1](cotangent)
+
+
+lora_delta.defvjp(_lora_delta_fwd, _lora_delta_bwd)
+
+
 def shared_ffn(
     w: ExpertWeights, x: Array, act: GatedActivation, lora: FFNLoRA | None = None, adapter: Array | None = None
 ) -> Array:
@@ -186,11 +240,12 @@ class LayerOps:
     """The layer's ops besides the routed experts, as the pipeline passes them down: `matmul(x, w)` for the
     router logits and the shared expert's gate, `shared_ffn(w, x, act, lora, adapter)` for the shared expert's FFN
     (with its adapters, or None), `scores(kind, logits)` for the router's scores and the shared expert's sigmoid
-    gate."""
+    gate, `lora_delta(pair, x, adapter)` for the router's and the sigmoid gate's adapters."""
 
     matmul: Callable[[Array, Array], Array] = matmul
     shared_ffn: Callable[..., Array] = shared_ffn
     scores: Callable[[str, Array], Array] = scores
+    lora_delta: Callable[[LoRAPair, Array, Array], Array] = lora_delta
 
 
 # At most this many threads in the layer's native calls (0: XLA's whole intra-op pool); read while tracing. Tests
