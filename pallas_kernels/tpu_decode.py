@@ -26,10 +26,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import tpu_tiles
 from pallas_kernels.decode import check_decode_rows, union_of_experts, union_row_scale
 from pallas_kernels.moe_op import MoEProblem, combine_slots, compute_dtype, moe_op, moe_reference
-from pallas_kernels.tpu_fused import fused_ffn
+from pallas_kernels.tpu_fused import tile_ffn
 from pallas_kernels.tpu_quant import reorder_for
 from pallas_kernels.tpu_tiles import (  # noqa: F401 (re-exported: the TPU kernels' shared names)
     TPU_DTYPES,
@@ -88,38 +87,7 @@ def moe_tpu_decode(
     tables = (union_ids, n_union.reshape(1))
     biases = () if p.gate_bias is None else tuple(b[:, None] for b in p.biases)  # [E, 1, I] x 2, [E, 1, H]
     run = dict(scales_by_tile=True, interpret=interpret)
-    if fused:
-        y = fused_ffn(
-            x8[None],
-            row_scale,
-            p.gate,
-            p.up,
-            p.down,
-            biases,
-            tables,
-            p.activation,
-            dtype,
-            bs.fused_block_i,
-            bs.vmem_limit_bytes,
-            name="moe_tpu_decode_ffn",
-            **run,
-        )  # [M, 8, H]
-    else:
-        h = tpu_tiles.gate_up(
-            x8[None],
-            row_scale,
-            p.gate,
-            p.up,
-            biases[:2],
-            tables,
-            p.activation,
-            dtype,
-            bs,
-            name="moe_tpu_decode_gate_up",
-            **run,
-        )  # [M, 8, I]
-        h = reorder_for(quant and quant[1], h, bs.block_i_down)
-        y = tpu_tiles.down(h, p.down, biases[2:], tables, bs, name="moe_tpu_decode_down", **run)  # [M, 8, H]
+    y = tile_ffn(x8[None], row_scale, p, biases, tables, quant, dtype, bs, name="moe_tpu_decode", **run)  # [M, 8, H]
     per_slot = y[slot_position, jnp.arange(T)[:, None]]  # [T, K, H]
     return combine_slots(per_slot, p.indices, p.weights, E)
 

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import tpu_tiles
 from pallas_kernels.quantized_weights import QuantizedWeight
-from pallas_kernels.tpu_quant import TpuQuant, block_shapes
+from pallas_kernels.tpu_quant import TpuQuant, block_shapes, reorder_for
 from pallas_kernels.tpu_tiles import each_step, interpret_params, real_tile, weight_dot, weight_parts
 
 Array = jax.Array
@@ -157,3 +158,22 @@ def fused_ffn(x, row_scale, gate, up, down, biases, tables, act, h_dtype, block_
 
 
 __all__ = ["fused_ffn"]
+
+
+def tile_ffn(x, row_scale, p, biases, tables, quant, h_dtype, bs, *, name: str, **options) -> Array:
+    """`y [tiles, tm, H]` float32: the expert FFN of a tile table, the one sequence of the decode and grouped
+    kernels: `fused_ffn` when `bs.fused_block_i` is set, else tpu_tiles' gate/up kernel, h reordered for 4-bit down
+    weights, and its down kernel.
+
+    x, row_scale, biases, tables as for `fused_ffn`; p: the `MoEProblem` (gate, up, down, activation); quant: the
+    (gate, down) `TpuQuant`s or None; bs: the tile block sizes (`TpuTileBlockSizes` or `TpuDecodeBlockSizes`);
+    name: the kernels' name prefix (`{name}_ffn`, `{name}_gate_up`, `{name}_down`); options: `scales_by_tile`,
+    `interpret`.
+    """
+    if bs.fused_block_i is not None:
+        weights = (p.gate, p.up, p.down, biases, tables, p.activation, h_dtype, bs.fused_block_i, bs.vmem_limit_bytes)
+        return fused_ffn(x, row_scale, *weights, name=f"{name}_ffn", **options)
+    gate_up = (p.gate, p.up, biases[:2], tables, p.activation, h_dtype, bs)
+    h = tpu_tiles.gate_up(x, row_scale, *gate_up, name=f"{name}_gate_up", **options)  # [tiles, tm, I]
+    h = reorder_for(quant and quant[1], h, bs.block_i_down)
+    return tpu_tiles.down(h, p.down, biases[2:], tables, bs, name=f"{name}_down", **options)

@@ -36,11 +36,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import gmm
 
-from pallas_kernels import tpu_tiles
 from pallas_kernels.expert_tiles import round_up
 from pallas_kernels.grouped import block_aligned_layout, block_aligned_rows
 from pallas_kernels.moe_op import MoEProblem, combine_slots, compute_dtype, moe_op, moe_reference
-from pallas_kernels.tpu_fused import fused_ffn
+from pallas_kernels.tpu_fused import tile_ffn
 from pallas_kernels.tpu_quant import TpuQuant, reorder_for
 from pallas_kernels.tpu_tiles import (
     TpuTileBlockSizes,
@@ -179,38 +178,7 @@ def _tiled_grouped(p: MoEProblem, quant, bs: TpuGroupedBlockSizes, device_kind, 
     tables = (tile_expert, num_tiles)
     biases = () if p.gate_bias is None else tuple(b[:, None] for b in p.biases)  # [E, 1, I] x 2, [E, 1, H]
     run = dict(scales_by_tile=False, interpret=interpret)
-    if fused:
-        y = fused_ffn(
-            rows,
-            None,
-            p.gate,
-            p.up,
-            p.down,
-            biases,
-            tables,
-            p.activation,
-            dtype,
-            tiles.fused_block_i,
-            tiles.vmem_limit_bytes,
-            name="moe_tpu_grouped_ffn",
-            **run,
-        )
-    else:
-        h = tpu_tiles.gate_up(
-            rows,
-            None,
-            p.gate,
-            p.up,
-            biases[:2],
-            tables,
-            p.activation,
-            dtype,
-            tiles,
-            name="moe_tpu_grouped_gate_up",
-            **run,
-        )  # [tiles, tm, I]
-        h = reorder_for(quant and quant[1], h, tiles.block_i_down)
-        y = tpu_tiles.down(h, p.down, biases[2:], tables, tiles, name="moe_tpu_grouped_down", **run)
+    y = tile_ffn(rows, None, p, biases, tables, quant, dtype, tiles, name="moe_tpu_grouped", **run)  # [tiles, tm, H]
     y = y.reshape(R, H)
     per_pair = y[jnp.minimum(pair_row, R - 1)]  # [M, H]; rows of ids outside are masked by combine_slots
     return combine_slots(per_pair.reshape(T, K, H), p.indices, p.weights, E)
