@@ -35,10 +35,7 @@ def _inputs(cfg, T, seed, dtype=jnp.float32, layout="stacked"):
     return with_experts_layout(params, layout), x, token_ids
 
 
-# LLVM's expensive passes off: every example compiles two programs for new shapes, and these compile about twice as
-# fast; the numerics checked (plan vs reference within a tolerance) do not depend on them.
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"), compiler_options=FAST)
+forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
 
 
 @st.composite
@@ -169,7 +166,7 @@ def _run(impl, params, x, slots, cfg, **kwargs):
     """The plan jitted as users run it (eager runs op by op: 2-3x the CPU time), traced anew for each call: the
     counting patch of `gate_up` must be in the trace."""
     run = moejax.backends.BACKENDS[impl].run
-    plan = jax.jit(lambda e, v, s: run(e, v, s, expert_activation(cfg), **kwargs), compiler_options=FAST)
+    plan = jax.jit(lambda e, v, s: run(e, v, s, expert_activation(cfg), **kwargs))
     plan(params.experts, x, slots).block_until_ready()
     jax.effects_barrier()
 
@@ -213,7 +210,7 @@ def test_cpu_grouped_plan_never_reads_empty_experts(monkeypatch):
     assert set(reads) == set(np.asarray(routing.indices).ravel().tolist())
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4), compiler_options=FAST)  # eager runs op by op: 3x the CPU time
+@functools.partial(jax.jit, static_argnums=(0, 4))  # eager runs op by op: 3x the CPU time
 def _jit_run(impl, experts, x, slots, act):
     return moejax.backends.BACKENDS[impl].run(experts, x, slots, act)
 

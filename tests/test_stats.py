@@ -20,7 +20,6 @@ import moejax
 from moejax import parallel
 from moejax.placement import Placement, balance
 
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 ULPS = {"rtol": 2e-6, "atol": 1e-6}
 SMALL = {"hidden_size": 32, "intermediate_size": 16}
 FAMILIES = {
@@ -107,7 +106,7 @@ def test_forward_stats_equal_host_stats_and_leave_the_output_alone(family):
     params, xs, tids = _inputs(cfg)
     x, t = xs[0], None if tids is None else tids[0]
 
-    @functools.partial(jax.jit, compiler_options=FAST)
+    @jax.jit
     def run(params, x, t):
         return moejax.moe_forward(params, x, cfg, t), moejax.moe_forward(params, x, cfg, t, return_stats=True)
 
@@ -130,7 +129,7 @@ def test_stats_accumulate_over_steps_in_scan_and_fori_loop():
     cfg, steps = FAMILIES["longcat_flash"], 3
     params, xs, _ = _inputs(cfg, steps=steps, T=5)
 
-    @functools.partial(jax.jit, compiler_options=FAST)
+    @jax.jit
     def run(params, xs):
         def step(acc, x):
             stats = moejax.moe_forward(params, x, cfg, return_stats=True)[1]
@@ -170,7 +169,7 @@ def test_ep_stats_equal_host_stats_in_both_modes_with_and_without_placement():
     assert placement.replica_counts.max() >= 2
     mesh = _mesh(n)
 
-    @functools.partial(jax.jit, compiler_options=FAST)
+    @jax.jit
     def run(sharded, placed, xd, xf):
         ep = functools.partial(parallel.moe_forward_ep, cfg=cfg, mesh=mesh, return_stats=True)
         return {
@@ -212,7 +211,7 @@ def _jit_module(layer, fn):
     the modules' variables."""
     graphdef = nnx.graphdef(layer)
 
-    @functools.partial(jax.jit, compiler_options=FAST)
+    @jax.jit
     def run(state, *args):
         module = nnx.merge(graphdef, state)
         out = fn(module, *args)

@@ -95,10 +95,7 @@ def _dense(params):
     return dataclasses.replace(params, experts=params.experts.dequantize())
 
 
-# LLVM's expensive passes off: each case compiles new programs and these compile about twice as fast; the checks
-# are tolerances against the dense reference.
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"), compiler_options=FAST)
+forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
 
 
 @pytest.mark.parametrize(
@@ -143,7 +140,6 @@ def test_test_format_under_expert_parallelism(mode):
     assert sharded.experts.down_scale.sharding.spec == P("expert", None)
     ep = jax.jit(
         lambda p, x: parallel.moe_forward_ep(p, x, cfg, mesh=mesh, mode=mode, tensor_axis="tensor", impl="xla"),
-        compiler_options=FAST,
     )
     want = forward(_dense(params), x, cfg, tid, "reference")
     np.testing.assert_allclose(ep(sharded, x), want, rtol=2e-5, atol=2e-5)
