@@ -10,6 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from native_inputs import ACTIVATIONS, slots
+from native_inputs import dense as _dense
+from native_inputs import normal as _normal
+from native_inputs import rows as _x
 
 import moejax
 from moejax import quantized as Q
@@ -17,32 +21,10 @@ from moejax.backends import native
 from moejax.backends.reference import reference_routed
 from moejax.experts import Slots
 from moejax.lora import ExpertLoRA, LoRAPair, _target_shapes, adapt, clamp_ids, from_pairs, stack
-from moejax.weights import ExpertWeights
-from pallas_kernels.activations import GatedActivation
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="moejax._native_cpu is not built")
 
-ACTIVATIONS = {
-    "silu": GatedActivation("silu"),
-    "gelu_tanh": GatedActivation("gelu_tanh"),
-    "silu_clamp_before": GatedActivation("silu", limit=0.3, clamp_order="before_activation"),
-    "silu_clamp_after": GatedActivation("silu", limit=0.05, clamp_order="after_activation"),
-    "gpt_oss": GatedActivation("gpt_oss", limit=0.4, alpha=1.702),
-}
 N_IDS = 4  # ids 0..3 (0: none); 7 and -1 are out of range (-> 0)
-
-
-def _normal(rng, shape, fan):
-    return jnp.asarray((rng.standard_normal(shape) / np.sqrt(fan)).astype(np.float32))
-
-
-def _dense(E, H, I, *, bias=False, seed=0) -> ExpertWeights:
-    rng = np.random.default_rng(seed)
-    biases = {}
-    if bias:
-        biases = {"gate_bias": _normal(rng, (E, I), 10), "up_bias": _normal(rng, (E, I), 10)}
-        biases["down_bias"] = _normal(rng, (E, H), 10)
-    return ExpertWeights(_normal(rng, (E, H, I), H), _normal(rng, (E, H, I), H), _normal(rng, (E, I, H), I), **biases)
 
 
 def _expert_stack(E, H, I, *, targets=("gate", "up", "down"), seed=0) -> ExpertLoRA:
@@ -65,18 +47,11 @@ def _expert_stack(E, H, I, *, targets=("gate", "up", "down"), seed=0) -> ExpertL
 
 
 def _slots(T, K, E, seed, *, in_scale=False) -> Slots:
-    """Random slots with skipped ids and weight-0 slots; ids cycle through 0..3 and the out-of-range 7, -1."""
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(-1, E + 2, (T, K)).astype(np.int32)
-    w = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
-    w[(idx < 0) | (idx >= E) | (rng.random((T, K)) < 0.1)] = 0.0
-    scale = jnp.asarray(rng.uniform(0.5, 1.5, (T, K)).astype(np.float32)) if in_scale else None
+    """Random slots (`native_inputs.slots`: skipped ids up to E + 1, weight-0 slots); adapter ids cycle through
+    0..3 and the out-of-range 7, -1."""
+    s = slots(T, K, E, seed, in_scale=in_scale, beyond=2)
     ids = np.array([1, 2, 0, 3, 7, -1, 2, 1, 3][:T] + [1] * max(0, T - 9), np.int32)
-    return Slots(jnp.asarray(idx), jnp.asarray(w), scale, jnp.asarray(ids))
-
-
-def _x(T, H, seed=1):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal((T, H)).astype(np.float32))
+    return Slots(s.indices, s.out_weight, s.in_scale, jnp.asarray(ids))
 
 
 def _reference(experts, x, slots, act):
