@@ -24,7 +24,7 @@ from moejax import MoEConfig
 from moejax.params import flatten, with_experts_layout
 
 FAMILIES = moejax.FAMILIES
-T = 5  # tokens per test input (decode plan for impl="xla")
+T = 5  # tokens per test input: the decode plans for impl="xla" and "cpu" (their every-family check; test_plans.py)
 VOCAB = 64  # rows of the DeepSeek-V4 hash table in the hash-routing case
 IMPLS = ("reference", "xla", "cpu")  # "cpu" runs on the per-expert layout
 CASES = (*FAMILIES, "deepseek_v4_hash")
