@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from multihost_worker import numpy_params
+from tables import table
 
 import moejax
 from moejax import parallel
@@ -120,8 +121,16 @@ def _check_stats(stats, load, mode, n):
 # -- equality with the single-device forward -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-@pytest.mark.parametrize("family", list(CONFIGS))
+# Every family on 8 devices (one or two local experts each) and on one of 1 (no exchange), 2, 4 (several local
+# experts; DeepSeek-V3's expert groups over 2 devices). The full grid: MOEJAX_TESTS_FULL=1 (tests/tables.py).
+GRID = table(
+    {"family": list(CONFIGS), "n": [1, 2, 4, 8]},
+    [(family, 8) for family in CONFIGS]
+    + [("qwen3_next", 1), ("deepseek_v3", 2), ("longcat_flash", 4), ("deepseek_v4", 2)],
+)
+
+
+@pytest.mark.parametrize(("family", "n"), GRID)
 def test_both_modes_equal_single_device(family, n):
     cfg = CONFIGS[family]
     (params, xd, xf, td, tf), (ref_d, ref_f) = _case(cfg)
