@@ -45,10 +45,6 @@ def _ffn(w, rows):
     return jnp.dot((jax.nn.silu(g) * u).astype(down.dtype), down, preferred_element_type=jnp.float32)
 
 
-# XLA:CPU's cheap pipeline: these are tolerance tests (compile time dominates them)
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
 @functools.cache
 def _planned(plan, with_scale):
     """A jitted plan taking the per-expert weights as arguments (cached: one compile per shape)."""
@@ -57,7 +53,7 @@ def _planned(plan, with_scale):
         slots = Slots(indices, out_weight, in_scale if with_scale else None)
         return plan([functools.partial(_ffn, w) for w in ws], x, slots)
 
-    return jax.jit(run, compiler_options=FAST)
+    return jax.jit(run)
 
 
 def _run(plan, ws, x, indices, in_scale, out_weight):

@@ -20,8 +20,7 @@ from moejax.stats import routing_stats
 from moejax.weights import ArraySpec, ExpertFormat, ExpertWeights
 
 Array = jax.Array
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # compile time
-forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"), compiler_options=FAST)
+forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
 
 
 def halves(experts, x: Array, slots: Slots, act, *, block_rows=None) -> Array:

@@ -26,8 +26,7 @@ from moejax.hf import quant_tensors as QT
 
 H, I, E, K = 160, 96, 4, 2
 N_LAYERS = 2
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"), compiler_options=FAST)
+forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
 
 
 def _ct(weights: dict, fmt: str, ignore=("lm_head", "re:.*mlp.gate$")) -> dict:

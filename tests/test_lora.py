@@ -26,8 +26,7 @@ CFG = moejax.MoEConfig.preset(
 T = 6
 IDS = jnp.array([1, 2, 0, 1, 2, 2], jnp.int32)  # rows 0 and 1 share x (different adapters: never merged)
 
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # compile time
-forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"), compiler_options=FAST)
+forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
 
 
 def _adapter(cfg, seed, rank, names=None, b_scale=1.0):
@@ -68,7 +67,7 @@ def _loss(lora, x, params, impl):
     return jnp.sum(c * moejax.moe_forward(params, x, CFG, None, impl, lora=lora, adapter_ids=IDS))
 
 
-_grad = jax.jit(jax.grad(_loss, argnums=(0, 1)), static_argnums=3, compiler_options=FAST)
+_grad = jax.jit(jax.grad(_loss, argnums=(0, 1)), static_argnums=3)
 
 
 def _layout(impl):

@@ -34,7 +34,6 @@ from moejax.weights import to_layout
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # compile time
 CFG = moejax.MoEConfig.preset(
     "qwen2_moe", num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, shared_intermediate_size=8
 )
@@ -65,13 +64,13 @@ def _setup():
     return params, per_expert, clean
 
 
-_forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"), compiler_options=FAST)
+_forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
 
 
 # -- a row depends on its own adapter only -------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, compiler_options=FAST)
+@jax.jit
 def _deltas(poisoned, clean, x, ids):
     """pair_delta of two targets (router: out N; shared.up: out Is) for the poisoned and the clean stack, on the
     first GATHER_MAX_ROWS rows (gather form) and on all of them (select form), by row count."""
@@ -101,7 +100,7 @@ def test_pair_delta_rows_never_see_another_adapters_inf():
             assert not np.isfinite(got[~mine]).all()  # the poisoned adapters' own rows do see it
 
 
-@functools.partial(jax.jit, static_argnames="impls", compiler_options=FAST)
+@functools.partial(jax.jit, static_argnames="impls")
 def _plans(params, per_expert, x, lora, ids, impls):
     """moe_forward through each plan of `impls` (the CPU plans on per-expert weights)."""
     run = lambda impl: moejax.moe_forward(
@@ -176,7 +175,6 @@ def test_ids_of_any_integer_type_clamp_to_no_adapter():
         lambda params, x, lora: [
             moejax.moe_forward(params, x, CFG, lora=lora, adapter_ids=i) for i in (ids64, ids_list, wrapped)
         ],
-        compiler_options=FAST,
     )
     y64, ylist, ywrapped = run(params, x, clean)
     _check_batch(y64, "int64", tol=1e-6)
@@ -198,7 +196,7 @@ def test_wide_ids_clamp_on_the_data_parallel_ep_and_layer_paths():
     layer.set_lora(clean)
     graph, state = nnx.split(layer)
 
-    @functools.partial(jax.jit, compiler_options=FAST)
+    @jax.jit
     def run(params, sharded, x, split, lora, state):
         return (
             moejax.moe_forward(params, split, CFG, lora=lora, adapter_ids=ids64),

@@ -12,6 +12,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_inputs import ACTIVATIONS
+from native_inputs import dense as _dense
+from native_inputs import rows as _x
+from native_inputs import slots as _slots
 
 import moejax
 from moejax import backends
@@ -23,13 +27,6 @@ from pallas_kernels.activations import GatedActivation
 
 built = pytest.mark.skipif(not native.available(), reason="moejax._native_cpu is not built")
 
-ACTIVATIONS = {
-    "silu": GatedActivation("silu"),
-    "gelu_tanh": GatedActivation("gelu_tanh"),
-    "silu_clamp_before": GatedActivation("silu", limit=0.3, clamp_order="before_activation"),
-    "silu_clamp_after": GatedActivation("silu", limit=0.05, clamp_order="after_activation"),
-    "gpt_oss": GatedActivation("gpt_oss", limit=0.4, alpha=1.702),
-}
 # (name, quantize options); H, I multiples of 32 for the group-wise formats, 160 = 128 + 32 (a partial FP8 block).
 QUANTIZED = {
     "int8_g16": ("int8", {"group_size": 16}),
@@ -98,16 +95,6 @@ def _assert_close(got, want, what=""):
 # -- inputs -------------------------------------------------------------------------------------------------------
 
 
-def _dense(E, H, I, dtype="float32", bias=False, seed=0) -> ExpertWeights:
-    """Random dense experts from numpy (no eager jax op per shape), `[in, out]` stacked."""
-    rng = np.random.default_rng(seed)
-    n = lambda shape, fan: jnp.asarray((rng.standard_normal(shape) / np.sqrt(fan)).astype(np.float32)).astype(dtype)
-    biases = {}
-    if bias:
-        biases = {"gate_bias": n((E, I), 10), "up_bias": n((E, I), 10), "down_bias": n((E, H), 10)}
-    return ExpertWeights(n((E, H, I), H), n((E, H, I), H), n((E, I, H), I), **biases)
-
-
 def _fused_per_expert(dense: ExpertWeights) -> PerExpert:
     """`to_layout(dense, "per_expert")` built on the host (the per-expert layout's FusedExpertWeights parts)."""
     a = {k: None if v is None else np.asarray(v) for k, v in dense.fields().items()}
@@ -126,25 +113,10 @@ def _fused_per_expert(dense: ExpertWeights) -> PerExpert:
     return PerExpert(tuple(parts), ExpertWeights)
 
 
-def _slots(T, K, E, seed, *, in_scale=False, skipped=True) -> Slots:
-    rng = np.random.default_rng(seed)
-    hi = E + 3 if skipped else E  # ids >= E: zero / remote experts, never computed
-    idx = rng.integers(-1 if skipped else 0, hi, (T, K)).astype(np.int32)
-    w = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
-    w[rng.random((T, K)) < 0.1] = 0.0  # weight-0 slots contribute exactly 0
-    w[(idx < 0) | (idx >= E)] = 0.0
-    scale = rng.uniform(0.5, 1.5, (T, K)).astype(np.float32) if in_scale else None
-    return Slots(jnp.asarray(idx), jnp.asarray(w), None if scale is None else jnp.asarray(scale))
-
-
 @functools.cache
 def _quantized(key: str, E=6, H=160, I=96, bias=False):
     name, options = QUANTIZED[key]
     return Q.quantize_experts(_dense(E, H, I, bias=bias), Q.format_by_name(name, **options))
-
-
-def _x(T, H, seed=1, dtype="float32"):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal((T, H)).astype(np.float32)).astype(dtype)
 
 
 # -- formats x activations ----------------------------------------------------------------------------------------

@@ -10,6 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from native_inputs import ACTIVATIONS, slots
+from native_inputs import dense as _dense
+from native_inputs import normal as _normal
+from native_inputs import rows as _x
 
 import moejax
 from moejax import quantized as Q
@@ -17,33 +21,10 @@ from moejax.backends import native
 from moejax.backends.reference import reference_routed
 from moejax.experts import Slots
 from moejax.lora import ExpertLoRA, LoRAPair, _target_shapes, adapt, clamp_ids, from_pairs, stack
-from moejax.weights import ExpertWeights
-from pallas_kernels.activations import GatedActivation
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="moejax._native_cpu is not built")
 
-ACTIVATIONS = {
-    "silu": GatedActivation("silu"),
-    "gelu_tanh": GatedActivation("gelu_tanh"),
-    "silu_clamp_before": GatedActivation("silu", limit=0.3, clamp_order="before_activation"),
-    "silu_clamp_after": GatedActivation("silu", limit=0.05, clamp_order="after_activation"),
-    "gpt_oss": GatedActivation("gpt_oss", limit=0.4, alpha=1.702),
-}
 N_IDS = 4  # ids 0..3 (0: none); 7 and -1 are out of range (-> 0)
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # compile time
-
-
-def _normal(rng, shape, fan):
-    return jnp.asarray((rng.standard_normal(shape) / np.sqrt(fan)).astype(np.float32))
-
-
-def _dense(E, H, I, *, bias=False, seed=0) -> ExpertWeights:
-    rng = np.random.default_rng(seed)
-    biases = {}
-    if bias:
-        biases = {"gate_bias": _normal(rng, (E, I), 10), "up_bias": _normal(rng, (E, I), 10)}
-        biases["down_bias"] = _normal(rng, (E, H), 10)
-    return ExpertWeights(_normal(rng, (E, H, I), H), _normal(rng, (E, H, I), H), _normal(rng, (E, I, H), I), **biases)
 
 
 def _expert_stack(E, H, I, *, targets=("gate", "up", "down"), seed=0) -> ExpertLoRA:
@@ -66,24 +47,17 @@ def _expert_stack(E, H, I, *, targets=("gate", "up", "down"), seed=0) -> ExpertL
 
 
 def _slots(T, K, E, seed, *, in_scale=False) -> Slots:
-    """Random slots with skipped ids and weight-0 slots; ids cycle through 0..3 and the out-of-range 7, -1."""
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(-1, E + 2, (T, K)).astype(np.int32)
-    w = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
-    w[(idx < 0) | (idx >= E) | (rng.random((T, K)) < 0.1)] = 0.0
-    scale = jnp.asarray(rng.uniform(0.5, 1.5, (T, K)).astype(np.float32)) if in_scale else None
+    """Random slots (`native_inputs.slots`: skipped ids up to E + 1, weight-0 slots); adapter ids cycle through
+    0..3 and the out-of-range 7, -1."""
+    s = slots(T, K, E, seed, in_scale=in_scale, beyond=2)
     ids = np.array([1, 2, 0, 3, 7, -1, 2, 1, 3][:T] + [1] * max(0, T - 9), np.int32)
-    return Slots(jnp.asarray(idx), jnp.asarray(w), scale, jnp.asarray(ids))
-
-
-def _x(T, H, seed=1):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal((T, H)).astype(np.float32))
+    return Slots(s.indices, s.out_weight, s.in_scale, jnp.asarray(ids))
 
 
 def _reference(experts, x, slots, act):
     """moejax's float32 reference with the adapters, on ids clamped as `moejax.lora.clamp_ids`."""
     clamped = Slots(slots.indices, slots.out_weight, slots.in_scale, clamp_ids(slots.adapter, N_IDS))
-    run = jax.jit(reference_routed, static_argnames="act", compiler_options=FAST)
+    run = jax.jit(reference_routed, static_argnames="act")
     return np.asarray(run(experts, x, clamped, act=act))
 
 
@@ -197,7 +171,7 @@ def test_layer_runs_native_with_adapters_and_matches_the_reference():
     "auto" runs native, the routed and shared experts' adapters inside the kernel call, equal to the reference."""
     params, x, lora = _layer()
     assert moejax.forward.chosen_impl(params, x, CFG, lora=lora) == "native"
-    forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"), compiler_options=FAST)
+    forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
     hlo = forward.lower(params, x, CFG, None, "auto", lora=lora, adapter_ids=IDS).as_text()
     assert hlo.count("moejax_routed_experts_lora") == 2  # routed and shared experts with their adapters
     got = np.asarray(forward(params, x, CFG, None, "auto", lora=lora, adapter_ids=IDS))
@@ -213,7 +187,7 @@ def test_layer_gradients_with_adapters_equal_the_references():
     def loss(lora, x, impl):
         return jnp.sum(c * moejax.moe_forward(params, x, CFG, None, impl, lora=lora, adapter_ids=IDS))
 
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2, compiler_options=FAST)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
     got, want = grad(lora, x, "auto"), grad(lora, x, "reference")
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from multihost_worker import numpy_params
+from tables import table
 
 import moejax
 from moejax import parallel
@@ -27,8 +28,6 @@ from moejax.forward import expert_input
 from moejax.params import flatten, with_experts_layout
 from moejax.placement import balance
 
-# LLVM optimisation off: the 8-device programs compile about twice as fast (results checked to the same tolerance).
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 TOL = {"rtol": 2e-5, "atol": 2e-5}
 # The grid runs small plans in both modes (replicated: the decode plan on T=8; all_to_all: 7 tokens, one per device
 # on 8 devices), which compile fastest; the tensor-axis and module tests run the grouped plan (T > 8).
@@ -77,7 +76,7 @@ def _case(cfg: moejax.MoEConfig, t_replicated: int = T_DECODE, t_all_to_all: int
     return inputs, _reference(*inputs, cfg)
 
 
-@functools.partial(jax.jit, static_argnums=5, compiler_options=FAST)
+@functools.partial(jax.jit, static_argnums=5)
 def _reference(params, xd, xf, td, tf, cfg):
     return moejax.moe_forward(params, xd, cfg, td), moejax.moe_forward(params, xf, cfg, tf)
 
@@ -92,7 +91,7 @@ def _both_modes(cfg: moejax.MoEConfig, mesh: Mesh, tensor_axis: str | None = Non
         ep = functools.partial(moe_forward_ep, cfg=cfg, mesh=mesh, tensor_axis=tensor_axis, return_stats=True)
         return ep(params, xd, mode="replicated", token_ids=td), ep(params, xf, mode="all_to_all", token_ids=tf)
 
-    return jax.jit(run, compiler_options=FAST), traces
+    return jax.jit(run), traces
 
 
 moe_forward_ep = parallel.moe_forward_ep
@@ -122,8 +121,16 @@ def _check_stats(stats, load, mode, n):
 # -- equality with the single-device forward -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-@pytest.mark.parametrize("family", list(CONFIGS))
+# Every family on 8 devices (one or two local experts each) and on one of 1 (no exchange), 2, 4 (several local
+# experts; DeepSeek-V3's expert groups over 2 devices). The full grid: MOEJAX_TESTS_FULL=1 (tests/tables.py).
+GRID = table(
+    {"family": list(CONFIGS), "n": [1, 2, 4, 8]},
+    [(family, 8) for family in CONFIGS]
+    + [("qwen3_next", 1), ("deepseek_v3", 2), ("longcat_flash", 4), ("deepseek_v4", 2)],
+)
+
+
+@pytest.mark.parametrize(("family", "n"), GRID)
 def test_both_modes_equal_single_device(family, n):
     cfg = CONFIGS[family]
     (params, xd, xf, td, tf), (ref_d, ref_f) = _case(cfg)
@@ -189,7 +196,7 @@ def test_once_terms_added_after_the_reduction_and_buggy_orders_differ():
     specs = parallel.param_specs(cfg)
     run = jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=False)
     sharded = parallel.shard_params(params, cfg, mesh)
-    variants = jax.jit(run, compiler_options=FAST)(sharded, xd)
+    variants = jax.jit(run)(sharded, xd)
     np.testing.assert_allclose(variants.pop("correct"), ref, **TOL)
     for bug, y in variants.items():
         assert float(jnp.max(jnp.abs(y - ref))) > 100 * TOL["atol"], f"{bug} is indistinguishable from correct"
@@ -289,13 +296,13 @@ def test_module_parameters_created_sharded_and_call_dispatches_to_ep():
 
     x = jax.random.normal(jax.random.key(1), (2, 5, cfg.hidden_size))  # leading dims; T=10, 12 rows after padding
     forward = nnx.jit(lambda m, x: m(x))
-    ref = jax.jit(moejax.moe_forward, static_argnums=2, compiler_options=FAST)(jax.device_get(layer.params), x, cfg)
+    ref = jax.jit(moejax.moe_forward, static_argnums=2)(jax.device_get(layer.params), x, cfg)
     np.testing.assert_allclose(forward(layer, x), ref, **TOL)
 
     params = numpy_params(cfg, 3)  # loading placed arrays keeps the layout (and the same program)
     layer.load_params(params)
     assert layer.experts.down[...].sharding.spec == P("expert", "tensor", None)
-    ref = jax.jit(moejax.moe_forward, static_argnums=2, compiler_options=FAST)(params, x, cfg)
+    ref = jax.jit(moejax.moe_forward, static_argnums=2)(params, x, cfg)
     np.testing.assert_allclose(forward(layer, x), ref, **TOL)
 
 
@@ -321,7 +328,7 @@ def _temp_bytes(cfg: moejax.MoEConfig, num_tokens: int, n: int) -> int:
         parallel.param_specs(cfg),
     )
     x = jax.ShapeDtypeStruct((num_tokens, cfg.hidden_size), jnp.float32, sharding=NamedSharding(mesh, P("expert")))
-    fn = jax.jit(functools.partial(moe_forward_ep, cfg=cfg, mesh=mesh, mode="all_to_all"), compiler_options=FAST)
+    fn = jax.jit(functools.partial(moe_forward_ep, cfg=cfg, mesh=mesh, mode="all_to_all"))
     return fn.lower(params, x).compile().memory_analysis().temp_size_in_bytes
 
 
@@ -342,7 +349,7 @@ def test_all_to_all_beyond_capacity_takes_more_rounds_and_drops_nothing():
     bias = params.router.correction_bias.at[:8].add(10.0)  # selection only: every token picks experts 0..7
     params = dataclasses.replace(params, router=dataclasses.replace(params.router, correction_bias=bias))
     x = jnp.asarray(np.random.default_rng(5).standard_normal((T, cfg.hidden_size), np.float32))
-    ref = jax.jit(moejax.moe_forward, static_argnums=2, compiler_options=FAST)(params, x, cfg)
+    ref = jax.jit(moejax.moe_forward, static_argnums=2)(params, x, cfg)
     rows, pairs = parallel.all_to_all_capacity(cfg, T, n, 0.1)
     assert (rows, pairs) == (1, 3)  # 4 tokens, 16 pairs per device: 4 rounds, device 0 in 24 chunks
     mesh = _mesh(n)
@@ -355,7 +362,7 @@ def test_all_to_all_beyond_capacity_takes_more_rounds_and_drops_nothing():
 
     sharded = parallel.shard_params(params, cfg, mesh)
     placed = parallel.shard_params(params, cfg, mesh, placement=placement)
-    (y, stats), y_placed = jax.jit(run, compiler_options=FAST)(sharded, placed, x)
+    (y, stats), y_placed = jax.jit(run)(sharded, placed, x)
     np.testing.assert_allclose(y, ref, **TOL)
     np.testing.assert_allclose(y_placed, ref, **TOL)
     np.testing.assert_array_equal(stats.device_load, [T * cfg.top_k, 0, 0, 0])

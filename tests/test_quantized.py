@@ -197,9 +197,7 @@ def test_quantize_error_is_small_and_dequantize_keeps_layout():
 
 # -- plans, EP and the module against dequantize-then-reference -------------------------------------------------
 
-# LLVM optimisation off: compiles about twice as fast (as tests/test_parallel.py; results to the same tolerance).
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"), compiler_options=FAST)
+forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
 IMPL_LAYOUTS = [
     ("reference", "stacked"),
     ("xla_decode", "stacked"),
@@ -256,7 +254,6 @@ def test_quantized_experts_under_expert_parallelism(mode):
     x = jax.random.normal(jax.random.key(1), (12, cfg.hidden_size))
     ep = jax.jit(
         lambda p, x: parallel.moe_forward_ep(p, x, cfg, mesh=mesh, mode=mode, tensor_axis="tensor", impl="xla"),
-        compiler_options=FAST,
     )
     want = forward(jax.jit(Q.dequantize)(qparams), x, cfg, None, "reference")
     np.testing.assert_allclose(ep(sharded, x), want, rtol=2e-5, atol=2e-5)
