@@ -324,7 +324,6 @@ _FIELDS = [f"{p}_{k}" for p in PROJECTIONS for k in ("q", "scale", "zero", "scal
 _FIELDS += ["gate_bias", "up_bias", "down_bias"]
 
 
-@functools.cache
 def quantized_format(
     kind: Kind,
     *,
@@ -333,7 +332,7 @@ def quantized_format(
     symmetric: bool = True,
     activations: Activations = "float32",
 ) -> type[QuantizedExperts]:
-    """The format class of one scheme (cached: the same arguments give the same class).
+    """The format class of one scheme (cached: the same scheme gives the same class).
 
     kind "int": `bits` 8 or 4, `group_size` (None: per output channel), `symmetric`. "fp8_block": 128x128
     blocks. "mxfp4": group 32. "nvfp4": group 16. `activations`: "float32" (weight-only) or "int8" (4-bit
@@ -349,6 +348,12 @@ def quantized_format(
         if bits not in (None, want_bits) or group_size not in (None, want_group):
             raise ValueError(f"{kind} has bits={want_bits}, group_size={want_group}; got {bits=}, {group_size=}")
         scheme = Scheme(kind, want_bits, want_group, symmetric, activations)
+    return _format_class(scheme)
+
+
+@functools.cache
+def _format_class(scheme: Scheme) -> type[QuantizedExperts]:
+    """The one class of `scheme` (cached by the scheme: however the arguments were spelled)."""
     cls_name = "".join(part.capitalize() for part in scheme.name.split("_"))
     namespace = {
         "__module__": __name__,
