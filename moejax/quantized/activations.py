@@ -1,9 +1,9 @@
 """int8 activations for 4-bit weights (`Scheme.activations == "int8"`): the definition, once, in plain jnp.
 
 An explicit opt-in (never a default): the native CPU kernels (csrc/act8.inc) then multiply int8 activations with
-the 4-bit codes in integers (`vpmaddubsw` / `vpmaddwd`), about 2x the float32 arithmetic limit of AVX2 on decode.
-The semantics, which every implementation follows (the XLA plans and the reference run this function; the
-Pallas kernels and ragged_dot raise `NotImplementedError`):
+the 4-bit codes in integers (`vpmaddubsw` / `vpmaddwd` on AVX2) instead of converting every code to float32.
+The semantics, which every implementation follows (the reference and the XLA plans run this function; the Pallas
+kernels raise `NotImplementedError`, ragged_dot takes no quantized weights):
 
   1. each row's input to each projection (x for gate and up, the activation output h for down) is cut into groups
      of `Scheme.activation_group` inputs along `in` (the weight's group; 32 for per-channel int4; a projection's
@@ -12,10 +12,13 @@ Pallas kernels and ragged_dot raise `NotImplementedError`):
      group holding NaN or inf gives NaN;
   3. the weight-only math runs on `q · s` (float32).
 
-The error this adds (measured, docs/notes-kact8.md; a Qwen3-30B-A3B-sized layer, random normal weights quantized
-to int4 g128, relative Frobenius error of the routed experts' output against the same weights with float32
-activations): about 1.0e-2 for normal inputs, 1.9e-2 with a few large outliers per row; MXFP4 / NVFP4 (groups of
-32 / 16) 0.8e-2 / 0.6e-2. For comparison, int4 g128 weights alone are 8-9e-2 from float32 weights.
+The error this adds, measured by `benchmarks/act8_bench.py` (H=2048, I=768 like Qwen3-30B-A3B, top-8 of 16
+experts, 64 rows, random normal weights and inputs; "outliers": 8 channels of every row at 30x): the relative
+Frobenius error of the routed output with int8 activations against the same 4-bit weights with float32
+activations is 1.6e-2 (normal) / 3.5e-2 (outliers) for int4 g128, symmetric or not; 1.2e-2 / 1.9e-2 for MXFP4;
+0.97e-2 / 1.4e-2 for NVFP4 (finer groups, finer activation scales). The 4-bit weights themselves are 1.7-2.1e-1
+from the float32 weights on the same inputs: the option adds 5-20% to the quantization error already there.
+The speed (decode T=1, the kernels alone): docs/FORMATS.md "int8 activations".
 """
 
 from __future__ import annotations
