@@ -24,6 +24,7 @@ The speed (decode T=1, the kernels alone): docs/FORMATS.md "int8 activations".
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -33,10 +34,13 @@ Array = jax.Array
 INT8_MAX = 127.0
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def int8_activations(x: Array, group: int) -> Array:
     """`x [R, n]` -> float32 `[R, n]`: each group of `group` inputs quantized to int8 and back (`q · s`).
 
-    Symmetric, `s = max|x_g| / 127`, round-half-to-even, the module docstring's steps 1-2.
+    Symmetric, `s = max|x_g| / 127`, round-half-to-even, the module docstring's steps 1-2. Gradients pass straight
+    through (the straight-through estimator of qwix / AQT's fake quantization): the backward of every backend is
+    the reference's, and the rounding's own derivative is zero almost everywhere.
     """
     x = x.astype(jnp.float32)
     R, n = x.shape
@@ -46,6 +50,12 @@ def int8_activations(x: Array, group: int) -> Array:
     q = jnp.where(scale > 0, jnp.clip(jnp.round(xg / scale), -INT8_MAX, INT8_MAX), 0.0)
     deq = jnp.where(jnp.isfinite(scale), q * scale, jnp.nan)  # NaN or inf in a group: the whole group NaN
     return deq.reshape(R, -1)[:, :n]
+
+
+@int8_activations.defjvp
+def _straight_through(group, primals, tangents):
+    (x,), (dx,) = primals, tangents
+    return int8_activations(x, group), dx.astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
