@@ -13,6 +13,8 @@
 // items are handed out by an atomic counter, and the caller waits only for items already started (a scheduled
 // task may start late or never before the call ends; one that starts late finds no item and touches nothing).
 // The reduction order of every output element is fixed by kernels.inc, independent of T, neighbours and threads.
+// int8 activations for 4-bit weights (an explicit option, attribute act_group > 0): act8.inc, act8_kernels.inc
+// (their items replace 1. and 2., after a phase that quantizes each pair's input; same order guarantees).
 //
 // ISA: kernels.inc is compiled twice, as moe::avx2 (`#pragma GCC target("avx2,fma,f16c")`) and moe::generic
 // (baseline flags, any CPU); the variant is chosen once at load with __builtin_cpu_supports.
