@@ -36,6 +36,8 @@ def _native_extensions() -> list[Extension]:
             sources=["csrc/moe_cpu.cc", "csrc/linear_cpu.cc", "csrc/scores_cpu.cc"],
             include_dirs=["csrc"],
             depends=[
+                "csrc/act8.inc",
+                "csrc/act8_kernels.inc",
                 "csrc/kernels.inc",
                 "csrc/vec_avx2.inc",
                 "csrc/vec_generic.inc",

@@ -39,6 +39,7 @@ FORMATS = {
     "fp8_block": (format_by_name("fp8_block"), jnp.bfloat16),
     "int4": (format_by_name("int4"), jnp.bfloat16),
     "int4_asym": (format_by_name("int4", symmetric=False), jnp.bfloat16),
+    "int4_a8": (format_by_name("int4", activations="int8"), jnp.bfloat16),  # int8 activations (explicit option)
     "mxfp4": (format_by_name("mxfp4"), jnp.bfloat16),
     "nvfp4": (format_by_name("nvfp4"), jnp.bfloat16),
 }

@@ -13,6 +13,8 @@
 // items are handed out by an atomic counter, and the caller waits only for items already started (a scheduled
 // task may start late or never before the call ends; one that starts late finds no item and touches nothing).
 // The reduction order of every output element is fixed by kernels.inc, independent of T, neighbours and threads.
+// int8 activations for 4-bit weights (an explicit option, attribute act_group > 0): act8.inc, act8_kernels.inc
+// (their items replace 1. and 2., after a phase that quantizes each pair's input; same order guarantees).
 //
 // ISA: kernels.inc is compiled twice, as moe::avx2 (`#pragma GCC target("avx2,fma,f16c")`) and moe::generic
 // (baseline flags, any CPU); the variant is chosen once at load with __builtin_cpu_supports.
@@ -31,6 +33,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -170,6 +173,8 @@ struct Kernels {
   void (*combine)(const Job&, int t0, int t1);
 };
 
+#include "act8.inc"
+
 // Everything one call's work items read; built by the calling thread before the parallel phases.
 struct Job {
   int fmt = 0, T = 0, K = 0, H = 0, I = 0, E = 0;
@@ -190,6 +195,7 @@ struct Job {
   float* y = nullptr;    // [P, H]
   float* out = nullptr;  // [T, H]
   LoRAJob* lora = nullptr;  // the adapters of the call (lora.inc), or null
+  Act8Job* act8 = nullptr;  // the int8 inputs of a call with int8 activations (act8.inc), or null
 
   const uint8_t* field(int f, int e) const { return field_ptr[static_cast<size_t>(f) * E + e]; }
 
@@ -225,6 +231,9 @@ namespace generic {
 #include "vec_generic.inc"
 #include "lora_kernels.inc"
 #include "kernels.inc"
+#define MOE_ACT8_AVX2 0
+#include "act8_kernels.inc"
+#undef MOE_ACT8_AVX2
 }  // namespace generic
 
 #if MOE_X86
@@ -238,6 +247,9 @@ namespace avx2 {
 #include "vec_avx2.inc"
 #include "lora_kernels.inc"
 #include "kernels.inc"
+#define MOE_ACT8_AVX2 1
+#include "act8_kernels.inc"
+#undef MOE_ACT8_AVX2
 }  // namespace avx2
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -384,6 +396,14 @@ static const LoRAKernels& lora_kernels() {
   return generic::kLoRA;
 }
 
+// The int8-activation phase items of the chosen ISA (act8_kernels.inc).
+static const Act8Kernels& act8_kernels() {
+#if MOE_X86
+  if (g_kernels.load(std::memory_order_relaxed) == avx2::kTable) return avx2::kAct8;
+#endif
+  return generic::kAct8;
+}
+
 // The routed experts of one call (MoeExpertsCall), with the adapters of `lora` when it is not null.
 static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
                              ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> in_scale,
@@ -392,7 +412,7 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
                              ffi::ResultBuffer<ffi::F32>& out, int64_t fmt, int64_t num_experts,
                              int64_t intermediate, int64_t group, int64_t fields_per_proj, int64_t per_expert,
                              int64_t act_kind, int64_t has_limit, float limit, float alpha, int64_t clamp_after,
-                             int64_t max_threads, LoRAJob* lora) {
+                             int64_t max_threads, int64_t act_group, LoRAJob* lora) {
   Job job;
   job.lora = lora;
   const auto xd = x.dimensions(), id = idx.dimensions();
@@ -443,6 +463,11 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
     }
   }
 
+  Act8Job act8;  // int8 activations (act8.inc): act_group > 0, 4-bit formats only
+  if (act_group < 0 || (act_group > 0 && !act8_format(job.fmt)))
+    return ffi::Error::InvalidArgument("moejax native: act_group > 0 needs int4, MXFP4 or NVFP4 weights");
+  if (act_group > 0) job.act8 = &act8;
+
   std::vector<float> scaled;
   build_routing(job, x.typed_data(), idx.typed_data(), weight.typed_data(),
                 has_in_scale ? in_scale.typed_data() : nullptr, scaled);
@@ -457,13 +482,19 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
   job.chunk_gu = chunk_width(job.fmt);
   job.chunk_down = chunk_width(job.fmt);
   if (lora) lora->prepare(P);
+  if (job.act8) {
+    act8.x.prepare(P, job.H, static_cast<int>(act_group));
+    act8.h.prepare(P, job.I, static_cast<int>(act_group));
+  }
 
-  const Kernels& k = g_kernels.load(std::memory_order_relaxed)[job.fmt];
+  const Kernels& k = job.act8 ? act8_kernels().items : g_kernels.load(std::memory_order_relaxed)[job.fmt];
   const int U = static_cast<int>(job.union_ids.size());
   const int mt = static_cast<int>(max_threads);
   const int n_gu = (job.I + job.chunk_gu - 1) / job.chunk_gu;
+  if (job.act8) parallel_for(&pool, U, mt, [&](int64_t i) { act8_kernels().gate_up_inputs(job, static_cast<int>(i)); });
   if (lora) parallel_for(&pool, U, mt, [&](int64_t i) { lora_kernels().gate_up_inputs(job, static_cast<int>(i)); });
   parallel_for(&pool, static_cast<int64_t>(U) * n_gu, mt, [&](int64_t i) { k.gate_up(job, i / n_gu, i % n_gu); });
+  if (job.act8) parallel_for(&pool, U, mt, [&](int64_t i) { act8_kernels().down_inputs(job, static_cast<int>(i)); });
   if (lora) parallel_for(&pool, U, mt, [&](int64_t i) { lora_kernels().down_inputs(job, static_cast<int>(i)); });
   const int n_down = (job.H + job.chunk_down - 1) / job.chunk_down;
   parallel_for(&pool, static_cast<int64_t>(U) * n_down, mt, [&](int64_t i) { k.down(job, i / n_down, i % n_down); });
@@ -483,10 +514,10 @@ static ffi::Error MoeExpertsCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
                                  ffi::ResultBuffer<ffi::F32> out, int64_t fmt, int64_t num_experts,
                                  int64_t intermediate, int64_t group, int64_t fields_per_proj, int64_t per_expert,
                                  int64_t act_kind, int64_t has_limit, float limit, float alpha, int64_t clamp_after,
-                                 int64_t max_threads) {
+                                 int64_t max_threads, int64_t act_group) {
   return RunExperts(pool, x, idx, weight, in_scale, gate_up_bias, down_bias, scale2, weights, out, fmt, num_experts,
                     intermediate, group, fields_per_proj, per_expert, act_kind, has_limit, limit, alpha, clamp_after,
-                    max_threads, nullptr);
+                    max_threads, act_group, nullptr);
 }
 
 // MoeExpertsCall with LoRA adapters: the rows' adapter ids [T] and gate, up, down's stacked A, B, scale (lora.inc;
@@ -499,7 +530,8 @@ static ffi::Error MoeExpertsLoRACall(
     ffi::Buffer<ffi::F32> up_s, ffi::Buffer<ffi::F32> down_a, ffi::Buffer<ffi::F32> down_b,
     ffi::Buffer<ffi::F32> down_s, ffi::RemainingArgs weights, ffi::ResultBuffer<ffi::F32> out, int64_t fmt,
     int64_t num_experts, int64_t intermediate, int64_t group, int64_t fields_per_proj, int64_t per_expert,
-    int64_t act_kind, int64_t has_limit, float limit, float alpha, int64_t clamp_after, int64_t max_threads) {
+    int64_t act_kind, int64_t has_limit, float limit, float alpha, int64_t clamp_after, int64_t max_threads,
+    int64_t act_group) {
   const auto xd = x.dimensions();
   if (xd.size() != 2 || ids.element_count() != static_cast<size_t>(xd[0]))
     return ffi::Error::InvalidArgument("moejax native lora: x [T, H] and adapter ids [T]");
@@ -512,7 +544,7 @@ static ffi::Error MoeExpertsLoRACall(
     if (err.failure()) return err;
   return RunExperts(pool, x, idx, weight, in_scale, gate_up_bias, down_bias, scale2, weights, out, fmt, num_experts,
                     intermediate, group, fields_per_proj, per_expert, act_kind, has_limit, limit, alpha, clamp_after,
-                    max_threads, lora.n_ids ? &lora : nullptr);
+                    max_threads, act_group, lora.n_ids ? &lora : nullptr);
 }
 
 // One LoRA target's deltas per row, for what has no experts (the router's logits, the shared expert's sigmoid
@@ -566,65 +598,57 @@ struct NoThrow<F> {
 
 }  // namespace moe
 
+namespace moe {
+// The arguments both routed-experts handlers start with.
+static auto BindExpertsArgs() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()   // x [T, H]
+      .Arg<ffi::Buffer<ffi::S32>>()   // indices [T, K]
+      .Arg<ffi::Buffer<ffi::F32>>()   // out_weight [T, K]
+      .Arg<ffi::Buffer<ffi::F32>>()   // in_scale [T, K] or [0]
+      .Arg<ffi::Buffer<ffi::F32>>()   // gate|up bias [E, 2I] or [0]
+      .Arg<ffi::Buffer<ffi::F32>>()   // down bias [E, H] or [0]
+      .Arg<ffi::Buffer<ffi::F32>>();  // NVFP4 scale2 [3, E] or [0]
+}
+
+// The weight buffers, the result and the attributes both handlers end with, after `binding`'s arguments.
+template <typename Binding>
+static auto BindExpertsRest(Binding binding) {
+  return std::move(binding)
+      .RemainingArgs()                        // the weight buffers
+      .template Ret<ffi::Buffer<ffi::F32>>()  // out [T, H]
+      .template Attr<int64_t>("fmt")
+      .template Attr<int64_t>("num_experts")
+      .template Attr<int64_t>("intermediate")
+      .template Attr<int64_t>("group")
+      .template Attr<int64_t>("fields_per_proj")
+      .template Attr<int64_t>("per_expert")
+      .template Attr<int64_t>("act_kind")
+      .template Attr<int64_t>("has_limit")
+      .template Attr<float>("limit")
+      .template Attr<float>("alpha")
+      .template Attr<int64_t>("clamp_after")
+      .template Attr<int64_t>("max_threads")
+      .template Attr<int64_t>("act_group");  // 0: float32 activations; > 0: int8 per that many inputs (act8.inc)
+}
+}  // namespace moe
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExperts, moe::NoThrow<moe::MoeExpertsCall>::Call,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, H]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // indices [T, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // out_weight [T, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // in_scale [T, K] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate|up bias [E, 2I] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // down bias [E, H] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // NVFP4 scale2 [3, E] or [0]
-                                  .RemainingArgs()               // the weight buffers
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H]
-                                  .Attr<int64_t>("fmt")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("intermediate")
-                                  .Attr<int64_t>("group")
-                                  .Attr<int64_t>("fields_per_proj")
-                                  .Attr<int64_t>("per_expert")
-                                  .Attr<int64_t>("act_kind")
-                                  .Attr<int64_t>("has_limit")
-                                  .Attr<float>("limit")
-                                  .Attr<float>("alpha")
-                                  .Attr<int64_t>("clamp_after")
-                                  .Attr<int64_t>("max_threads"));
+                              moe::BindExpertsRest(moe::BindExpertsArgs()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExpertsLoRA, moe::NoThrow<moe::MoeExpertsLoRACall>::Call,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, H]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // indices [T, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // out_weight [T, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // in_scale [T, K] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate|up bias [E, 2I] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // down bias [E, H] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // NVFP4 scale2 [3, E] or [0]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // adapter ids [T]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate A [n, E, r, H] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate B [n, E, I, r] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate scale [n] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // up A
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // up B
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // up scale
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // down A [n, E, r, I] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // down B [n, E, H, r] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // down scale
-                                  .RemainingArgs()               // the weight buffers
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H]
-                                  .Attr<int64_t>("fmt")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("intermediate")
-                                  .Attr<int64_t>("group")
-                                  .Attr<int64_t>("fields_per_proj")
-                                  .Attr<int64_t>("per_expert")
-                                  .Attr<int64_t>("act_kind")
-                                  .Attr<int64_t>("has_limit")
-                                  .Attr<float>("limit")
-                                  .Attr<float>("alpha")
-                                  .Attr<int64_t>("clamp_after")
-                                  .Attr<int64_t>("max_threads"));
+                              moe::BindExpertsRest(moe::BindExpertsArgs()
+                                                       .Arg<ffi::Buffer<ffi::S32>>()    // adapter ids [T]
+                                                       .Arg<ffi::Buffer<ffi::F32>>()    // gate A [n, E, r, H] or [0]
+                                                       .Arg<ffi::Buffer<ffi::F32>>()    // gate B [n, E, I, r] or [0]
+                                                       .Arg<ffi::Buffer<ffi::F32>>()    // gate scale [n] or [0]
+                                                       .Arg<ffi::Buffer<ffi::F32>>()    // up A
+                                                       .Arg<ffi::Buffer<ffi::F32>>()    // up B
+                                                       .Arg<ffi::Buffer<ffi::F32>>()    // up scale
+                                                       .Arg<ffi::Buffer<ffi::F32>>()    // down A [n, E, r, I] or [0]
+                                                       .Arg<ffi::Buffer<ffi::F32>>()    // down B [n, E, H, r] or [0]
+                                                       .Arg<ffi::Buffer<ffi::F32>>())); // down scale
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLoRADelta, moe::NoThrow<moe::LoRADeltaCall>::Call,
                               ffi::Ffi::Bind()

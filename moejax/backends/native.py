@@ -6,7 +6,9 @@ pool. Weights are read as stored, in every format and both layouts: dense float3
 (`ExpertWeights` `[in, out]`, `FusedExpertWeights` `[out, in]`, the per-expert layout's storage on CPU),
 int8 / int4 group-wise symmetric and asymmetric, FP8 e4m3 with 128x128 blocks, MXFP4 and NVFP4
 (`moejax.quantized`). Weights are dequantized in registers; activations and accumulation are float32 (the
-numerics of `moejax.experts.reference_routed` on the dequantized weights, to float32 rounding).
+numerics of `moejax.experts.reference_routed` on the dequantized weights, to float32 rounding). The 4-bit formats
+with `Scheme.activations == "int8"` (an explicit option, never the default) run int8 activations against the
+4-bit codes in integers (csrc/act8.inc): `moejax.quantized.activations` defines the results and states the error.
 
 Batch invariance by construction: every output element is one fixed chain of operations over its row's
 inputs and the weights (csrc/kernels.inc), so a row's bits do not depend on T, its position, its neighbours or
@@ -158,6 +160,7 @@ def routed_experts(
         alpha=np.float32(act.alpha),
         clamp_after=np.int64(act.clamp_order == "after_activation"),
         max_threads=np.int64(max_threads),
+        act_group=np.int64(spec["act_group"]),
     )
 
 
@@ -229,13 +232,13 @@ def _weight_spec(experts: PerExpert | ExpertFormat, H: int) -> dict:
         I = one.down_weight.shape[-1]
         names = ["gate_up_weight", "down_weight"]
         shapes = {"gate_up_weight": (2 * I, H), "down_weight": (H, I)}
-        fmt, fields_per_proj, group = _FUSED + _dense_code(one, names), 0, 0
+        fmt, fields_per_proj, group, act_group = _FUSED + _dense_code(one, names), 0, 0, 0
         bias_names = ("gate_up_bias", None, "down_bias")
     elif isinstance(one, ExpertWeights):
         I = one.gate.shape[-1]
         names = ["gate", "up", "down"]
         shapes = {"gate": (H, I), "up": (H, I), "down": (I, H)}
-        fmt, fields_per_proj, group = _dense_code(one, names), 0, 0
+        fmt, fields_per_proj, group, act_group = _dense_code(one, names), 0, 0, 0
         bias_names = ("gate_bias", "up_bias", "down_bias")
     elif isinstance(one, QuantizedExperts):
         scheme = one.scheme
@@ -249,6 +252,7 @@ def _weight_spec(experts: PerExpert | ExpertFormat, H: int) -> dict:
         fmt, fields_per_proj = _QUANTIZED[key], len(fields)
         group = (scheme.group_size or 0) if scheme.kind == "int" else 0
         _check_quantized_dtypes(one, scheme, names)
+        act_group = scheme.activation_group if scheme.activations == "int8" else 0
         bias_names = ("gate_bias", "up_bias", "down_bias")
     else:
         raise NotImplementedError(f"native: format {kind.__name__} is not supported")
@@ -266,6 +270,7 @@ def _weight_spec(experts: PerExpert | ExpertFormat, H: int) -> dict:
         "group": group,
         "fields_per_proj": fields_per_proj,
         "per_expert": per_expert,
+        "act_group": act_group,
         "buffers": buffers,
         "biases": _biases(parts, bias_names, per_expert, E, H, I),
         "scale2": _scale2(parts, per_expert) if fmt == _QUANTIZED[("nvfp4", 4)] else None,

@@ -49,6 +49,8 @@ def quantized_weights(kernel: str, experts: QuantizedExperts) -> tuple[Quantized
     sizes that are neither a multiple nor a divisor of the kernels' contraction steps (64 elements, int4 128).
     """
     s = experts.scheme
+    if s.activations != "float32":
+        raise NotImplementedError(f"{kernel}: {s.name}: Scheme.activations={s.activations!r} is not implemented")
     if experts.gate_q.ndim != 3:
         raise NotImplementedError(f"{kernel}: reads the stacked layout of {type(experts).__name__}")
     kind = s.kernel_kind

@@ -7,6 +7,9 @@ import jax
 import jax.numpy as jnp
 
 from moejax.experts import Slots
+from moejax.lora import LoRAExpert
+from moejax.quantized import QuantizedExperts
+from moejax.quantized.activations import Int8Inputs
 from moejax.weights import Experts
 from pallas_kernels.activations import GatedActivation
 
@@ -19,7 +22,8 @@ def reference_routed(experts: Experts, x: Array, slots: Slots, act: GatedActivat
     A scan over experts dequantizes one expert at a time to float32 (`ExpertFormat.dequantize`), so memory
     stays O(T·H + one expert's weights) at any E. A row that picks an expert in two slots (hash routing) sums
     their input scales, as the models do. Experts that read per-row ids (`row_ids`) get them with every row.
-    Differentiable (the backward of every other backend). `block_rows` is ignored.
+    Differentiable (the backward of every other backend). `block_rows` is ignored. Quantized experts with int8
+    activations (`Scheme.activations`) quantize each projection's input as `moejax.quantized.activations` defines.
     """
     del block_rows
     ids = experts.row_ids(slots)
@@ -35,8 +39,18 @@ def reference_routed(experts: Experts, x: Array, slots: Slots, act: GatedActivat
 
     def one_expert(acc: Array, e: Array) -> tuple[Array, None]:
         rows = x32 if slots.in_scale is None else x32 * scale[e][:, None]
-        y = experts.expert(e).dequantize().ffn(rows, act, *extra)  # [T, H]
+        y = dequantized(experts.expert(e)).ffn(rows, act, *extra)  # [T, H]
         return acc + jnp.where(selected[e][:, None], out_w[e][:, None] * y, 0.0), None
 
     out, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, jnp.float32), jnp.arange(E))
     return out
+
+
+def dequantized(one):
+    """One expert as the reference computes it: float32 dense weights (`dequantize()`), wrapped in
+    `Int8Inputs` when its scheme quantizes the activations (adapters' deltas stay float32: `LoRAExpert`)."""
+    if isinstance(one, LoRAExpert):
+        return LoRAExpert(dequantized(one.base), one.lora)
+    if isinstance(one, QuantizedExperts) and one.scheme.activations == "int8":
+        return Int8Inputs(one.dequantize(), one.scheme.activation_group)
+    return one.dequantize()

@@ -16,15 +16,18 @@ from typing import Any, ClassVar, Literal
 import jax
 import jax.numpy as jnp
 
+from moejax.quantized.activations import int8_activations
 from moejax.weights import ArraySpec, ExpertFormat, ExpertWeights
 from pallas_kernels.codecs import e2m1_to_f32, e8m0_to_f32, split_nibbles  # one decoder per code, the kernels' too
 
 Array = jax.Array
 Kind = Literal["int", "fp8_block", "mxfp4", "nvfp4"]
+Activations = Literal["float32", "int8"]
 PROJECTIONS = ("gate", "up", "down")
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP4_MAX = 6.0  # largest e2m1
+ACTIVATION_GROUP = 32  # int8 activations of per-channel int4 weights: inputs per activation scale
 REDUCE_MAX_ROWS = 2  # up to this many rows: the fused multiply-reduce; more rows: dequantize once, then a dot
 
 
@@ -38,12 +41,16 @@ class Scheme:
     group_size: elements along `in` that share a scale (int: None = one group per output channel; fixed for the
       FP4 kinds; FP8 uses 128x128 blocks).
     symmetric: int only; False adds a zero point per group.
+    activations: what the projections' inputs are multiplied as: "float32" (weight-only, the default) or "int8"
+      (4-bit weights only: each row's input to each projection quantized to int8 per group of
+      `activation_group` inputs, `moejax.quantized.activations`; an explicit opt-in that changes the results).
     """
 
     kind: Kind
     bits: int
     group_size: int | None
     symmetric: bool = True
+    activations: Activations = "float32"
 
     def __post_init__(self) -> None:
         if self.kind not in ("int", "fp8_block", "mxfp4", "nvfp4"):
@@ -55,13 +62,28 @@ class Scheme:
                 raise ValueError(f"group_size must be a positive even number or None, got {self.group_size}")
         elif not self.symmetric:
             raise ValueError(f"{self.kind} is symmetric (no zero point)")
+        if self.activations not in ("float32", "int8"):
+            raise ValueError(f"activations={self.activations!r} is not one of 'float32', 'int8'")
+        if self.activations == "int8" and self.bits != 4:
+            raise NotImplementedError(
+                f"activations='int8' is implemented for 4-bit weights (int4, mxfp4, nvfp4), not {self.kind} "
+                f"with bits={self.bits}"
+            )
 
     @property
     def name(self) -> str:
+        """ "int4_g128_sym", "mxfp4", ...; "_a8" appended with int8 activations (the float32 names are unchanged)."""
+        suffix = "_a8" if self.activations == "int8" else ""
         if self.kind != "int":
-            return self.kind
+            return self.kind + suffix
         group = "channel" if self.group_size is None else f"g{self.group_size}"
-        return f"int{self.bits}_{group}_{'sym' if self.symmetric else 'asym'}"
+        return f"int{self.bits}_{group}_{'sym' if self.symmetric else 'asym'}{suffix}"
+
+    @property
+    def activation_group(self) -> int:
+        """Inputs per int8 scale of the activations (`activations="int8"`): the weight's group (int4 g, MXFP4 32,
+        NVFP4 16), 32 for a per-channel int4 scheme (the last group of a projection may be partial)."""
+        return ACTIVATION_GROUP if self.group_size is None else self.group_size
 
     @property
     def kernel_kind(self) -> str:
@@ -204,9 +226,12 @@ class QuantizedExperts(ExpertFormat):
 
         Up to REDUCE_MAX_ROWS rows: `Σ_in w·x` as one fused multiply-reduce over `(group, element)` with the
         scale applied per element (the packed weight streamed once, no dequantized copy; `reduce_project`).
-        More rows: the projection dequantized to float32 once, then a dot.
+        More rows: the projection dequantized to float32 once, then a dot. With `scheme.activations == "int8"`
+        the rows are first replaced by their int8 quantization (`int8_activations`).
         """
         x = x.astype(jnp.float32)
+        if self.scheme.activations == "int8":  # the emulation of the native kernels' int8 activations
+            x = int8_activations(x, self.scheme.activation_group)
         if x.shape[0] <= REDUCE_MAX_ROWS:
             return self.reduce_project(p, x)
         w = self.weight(p)
@@ -299,17 +324,22 @@ _FIELDS = [f"{p}_{k}" for p in PROJECTIONS for k in ("q", "scale", "zero", "scal
 _FIELDS += ["gate_bias", "up_bias", "down_bias"]
 
 
-@functools.cache
 def quantized_format(
-    kind: Kind, *, bits: int | None = None, group_size: int | None = None, symmetric: bool = True
+    kind: Kind,
+    *,
+    bits: int | None = None,
+    group_size: int | None = None,
+    symmetric: bool = True,
+    activations: Activations = "float32",
 ) -> type[QuantizedExperts]:
-    """The format class of one scheme (cached: the same arguments give the same class).
+    """The format class of one scheme (cached: the same scheme gives the same class).
 
     kind "int": `bits` 8 or 4, `group_size` (None: per output channel), `symmetric`. "fp8_block": 128x128
-    blocks. "mxfp4": group 32. "nvfp4": group 16.
+    blocks. "mxfp4": group 32. "nvfp4": group 16. `activations`: "float32" (weight-only) or "int8" (4-bit
+    schemes; `Scheme.activations`), a class of its own (name suffix "A8") with the same arrays.
     """
     if kind == "int":
-        scheme = Scheme("int", 8 if bits is None else bits, group_size, symmetric)
+        scheme = Scheme("int", 8 if bits is None else bits, group_size, symmetric, activations)
     else:
         fixed = {"fp8_block": (8, None), "mxfp4": (4, 32), "nvfp4": (4, 16)}
         if kind not in fixed:
@@ -317,7 +347,13 @@ def quantized_format(
         want_bits, want_group = fixed[kind]
         if bits not in (None, want_bits) or group_size not in (None, want_group):
             raise ValueError(f"{kind} has bits={want_bits}, group_size={want_group}; got {bits=}, {group_size=}")
-        scheme = Scheme(kind, want_bits, want_group, symmetric)
+        scheme = Scheme(kind, want_bits, want_group, symmetric, activations)
+    return _format_class(scheme)
+
+
+@functools.cache
+def _format_class(scheme: Scheme) -> type[QuantizedExperts]:
+    """The one class of `scheme` (cached by the scheme: however the arguments were spelled)."""
     cls_name = "".join(part.capitalize() for part in scheme.name.split("_"))
     namespace = {
         "__module__": __name__,
@@ -336,19 +372,22 @@ FORMAT_NAMES = ("int8", "int4", "fp8_block", "mxfp4", "nvfp4")
 
 def format_by_name(name: str, **options: Any) -> type[QuantizedExperts]:
     """`"int8" | "int4"` (options group_size=128, symmetric=True; group_size=None per channel), `"fp8_block"`,
-    `"mxfp4"`, `"nvfp4"` -> the format class."""
+    `"mxfp4"`, `"nvfp4"` -> the format class. Every name takes `activations="float32" | "int8"` too
+    (`Scheme.activations`; "int8" only for the 4-bit ones)."""
+    activations = options.pop("activations", "float32")
     if name in ("int8", "int4"):
         unknown = set(options) - {"group_size", "symmetric"}
         if unknown:
-            raise ValueError(f"{name}: unknown options {sorted(unknown)} (group_size, symmetric)")
+            raise ValueError(f"{name}: unknown options {sorted(unknown)} (group_size, symmetric, activations)")
         return quantized_format(
             "int",
             bits=int(name[3:]),
             group_size=options.get("group_size", 128),
             symmetric=options.get("symmetric", True),
+            activations=activations,
         )
     if name in FORMAT_NAMES:
         if options:
-            raise ValueError(f"{name} takes no options, got {sorted(options)}")
-        return quantized_format(name)
+            raise ValueError(f"{name} takes no options but activations, got {sorted(options)}")
+        return quantized_format(name, activations=activations)
     raise ValueError(f"format {name!r} is not one of {FORMAT_NAMES}")

@@ -121,7 +121,9 @@ def quantize(params, cfg, format_name: str, **options: Any):
       params: `moejax.MoEParams` (routed experts dense, either layout); the router and shared expert are kept.
       cfg: the `MoEConfig` (shapes are checked against it).
       format_name: "int8", "int4" (options `group_size=128` (None: per channel), `symmetric=True`),
-        "fp8_block", "mxfp4", "nvfp4". Min-max scales, round-to-nearest-even (`quantize_projection`).
+        "fp8_block", "mxfp4", "nvfp4". Min-max scales, round-to-nearest-even (`quantize_projection`). Every name
+        takes `activations="float32"` (the default: weight-only) or, for the 4-bit formats, `activations="int8"`:
+        each projection's input quantized to int8 per group (`moejax.quantized.activations`, the error stated there).
 
     Returns:
       `MoEParams` whose experts are in the quantized format, in the layout the input had.
