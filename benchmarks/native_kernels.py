@@ -24,7 +24,7 @@ import sysconfig
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "benchmarks" / "native_kernels.cc"
 FORMATS = {"float32": 3, "bf16": 4, "int8": 6, "int4": 7, "fp8": 8, "mxfp4": 9, "nvfp4": 10, "f32_inout": 0}
-H, I, K = 2048, 768, 8
+K = 8
 
 
 def build(csrc: pathlib.Path) -> ctypes.CDLL:
@@ -60,9 +60,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--reps", type=int, default=5, help="calls per (round, case)")
     parser.add_argument("-E", type=int, default=48, help="experts in the model (K=8 chosen per call)")
+    parser.add_argument("-H", type=int, default=2048, help="hidden size")
+    parser.add_argument("-I", type=int, default=768, help="intermediate size (-I 128 -E 8: the weights fit the L3)")
     parser.add_argument("--phases", type=int, default=7, help="bit 0 gate/up, bit 1 down, bit 2 combine")
     parser.add_argument("--read", action="store_true", help="also time the read ceiling")
     args = parser.parse_args()
+    H, I = args.H, args.I
     trees = [pathlib.Path(c).resolve() for c in (args.csrc or [str(ROOT / "csrc")])]
     libs = {str(t): build(t) for t in trees}
     first = next(iter(libs.values()))  # the Model type is the harness's own: one set of models serves every tree
