@@ -45,6 +45,7 @@ def _native_extensions() -> list[Extension]:
                 "csrc/lora.inc",
                 "csrc/lora_kernels.inc",
                 "csrc/parallel.inc",
+                "csrc/scalar.inc",
             ],
             extra_compile_args=compile_args,
             extra_link_args=link_args,

@@ -19,11 +19,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -44,22 +46,7 @@ namespace linear {
 
 enum WeightType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
-static inline float bits_f32(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-static inline float f16_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  const int exp = (h >> 10) & 31;
-  const uint32_t man = h & 1023;
-  float v;
-  if (exp == 0) v = static_cast<float>(man) * (1.0f / 16777216.0f);  // man * 2^-24, exact
-  else if (exp == 31) v = bits_f32(0x7f800000u | (man << 13));      // inf or NaN
-  else v = bits_f32((static_cast<uint32_t>(exp + 112) << 23) | (man << 13));
-  return sign ? -v : v;
-}
+#include "scalar.inc"  // bits_f32, f16_to_f32 (and the other formats' decoders, unused here)
 
 // One call's operands.
 struct Problem {
@@ -78,40 +65,7 @@ constexpr int kColItem = 64;  // columns per work item
 using Kernel = void (*)(const Problem&, int t0, int t1, int c0, int c1);
 
 namespace generic {
-struct V {
-  float f[8];
-};
-static inline V vzero() { return V{{0, 0, 0, 0, 0, 0, 0, 0}}; }
-static inline V vset1(float a) { return V{{a, a, a, a, a, a, a, a}}; }
-static inline V vloadf(const float* p) {
-  V r;
-  std::memcpy(r.f, p, sizeof(r.f));
-  return r;
-}
-static inline void vstore(float* p, V a) { std::memcpy(p, a.f, sizeof(a.f)); }
-static inline V vfma(V a, V b, V c) {  // a product then a sum (compiled with -ffp-contract=off)
-  V r;
-  for (int l = 0; l < 8; ++l) r.f[l] = a.f[l] * b.f[l] + c.f[l];
-  return r;
-}
-static inline V vbf16(const uint8_t* p) {
-  V r;
-  for (int l = 0; l < 8; ++l) {
-    uint16_t h;
-    std::memcpy(&h, p + 2 * l, 2);
-    r.f[l] = bits_f32(static_cast<uint32_t>(h) << 16);
-  }
-  return r;
-}
-static inline V vf16(const uint8_t* p) {
-  V r;
-  for (int l = 0; l < 8; ++l) {
-    uint16_t h;
-    std::memcpy(&h, p + 2 * l, 2);
-    r.f[l] = f16_to_f32(h);
-  }
-  return r;
-}
+#include "vec_generic.inc"
 #include "linear_kernel.inc"
 }  // namespace generic
 
@@ -123,17 +77,7 @@ static inline V vf16(const uint8_t* p) {
 #pragma GCC target("avx2,fma,f16c")
 #endif
 namespace avx2 {
-using V = __m256;
-static inline V vzero() { return _mm256_setzero_ps(); }
-static inline V vset1(float a) { return _mm256_set1_ps(a); }
-static inline V vloadf(const float* p) { return _mm256_loadu_ps(p); }
-static inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a); }
-static inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-static inline V vbf16(const uint8_t* p) {
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-static inline V vf16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#include "vec_avx2.inc"
 #include "linear_kernel.inc"
 }  // namespace avx2
 #if defined(__clang__)

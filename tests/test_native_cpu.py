@@ -398,3 +398,29 @@ def test_column_chunks_after_the_first_with_several_k_blocks_match_oracle():
     _assert_close(got, _oracle(experts, x, slots, act), "int4_g32")
     alone = run(experts, x[2:3], Slots(slots.indices[2:3], slots.out_weight[2:3]))
     np.testing.assert_array_equal(np.asarray(alone)[0], got[2], err_msg="row 2 alone")
+
+
+@built
+@pytest.mark.parametrize("fmt", ["float32_in_out", "int8_channel_asym", "int4_g32", "mxfp4"])
+def test_one_row_experts_match_the_many_row_kernel_bit_for_bit(fmt):
+    """An expert with one row runs the one-row [in, out] kernel (weight rows in address order, two per pass, the
+    partial sums in memory, symmetric int offsets hoisted), one with several rows the register-tile kernel: a row
+    of a batch whose rows all share their experts equals the row alone bit for bit, and the oracle. H=544: K
+    blocks 256 + 256 + 32; float32 [in, out] with H=45, I=27: odd segments and partial vectors at each row's end."""
+    E, K, T = 3, 2, 5
+    if fmt == "float32_in_out":
+        H, I = 45, 27
+        experts = _dense(E, H, I)
+    else:
+        H, I = 544, 96
+        experts = _quantized(fmt, E=E, H=H, I=I)
+    act = ACTIVATIONS["silu"]
+    run = jax.jit(lambda x, s: native.routed_experts(experts, x, s, act))
+    x = _x(T, H, 11)
+    one = _slots(1, K, E, 11, skipped=False)
+    slots = Slots(jnp.repeat(one.indices, T, 0), jnp.repeat(one.out_weight, T, 0))  # every row: the same experts
+    got = np.asarray(run(x, slots))
+    _assert_close(got, _oracle(experts, x, slots, act), fmt)
+    for t in (0, 3):
+        alone = np.asarray(run(x[t : t + 1], one))[0]
+        np.testing.assert_array_equal(alone, got[t], err_msg=f"{fmt}: row {t} alone")

@@ -1,0 +1,104 @@
+"""Kernel-only timing of the native routed-expert kernels (benchmarks/native_kernels.cc): no XLA, no router.
+
+    python benchmarks/native_kernels.py [--csrc csrc [--csrc /tmp/old/csrc ...]] [--formats int8 int4 ...]
+        [--threads 1 2] [--rounds 6] [--reps 5] [-E 48] [--phases 7] [--read]
+
+Compiles the harness once per csrc tree (g++, the package's flags; libraries cached under /tmp/moejax_kernels),
+builds one model per format (Qwen3-30B-A3B's experts: H=2048, I=768, E=48 by default: more bytes than the L3, so
+the weights come from memory; int8 / int4 groups of 128, symmetric), then times decode calls (T=1, K=8 distinct
+random experts, a new x and new experts per call) in interleaved rounds: per round every (format, threads, tree)
+runs --reps calls; the minimum over all is printed with its GMAC/s and GB/s per thread and its ratio to
+float32 (the fused [out, in] layout) of the same tree and thread count. --read: the read ceiling (GB/s of a
+4-accumulator float32 sum of float32 T=1's 151 MB, a fresh region per rep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import pathlib
+import subprocess
+import sysconfig
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+HARNESS = ROOT / "benchmarks" / "native_kernels.cc"
+FORMATS = {"float32": 3, "bf16": 4, "int8": 6, "int4": 7, "fp8": 8, "mxfp4": 9, "nvfp4": 10, "f32_inout": 0}
+K = 8
+
+
+def build(csrc: pathlib.Path) -> ctypes.CDLL:
+    """The harness compiled against the csrc tree `csrc` (cached by the sources' contents)."""
+    sources = [HARNESS, *sorted(csrc.glob("*.cc")), *sorted(csrc.glob("*.inc"))]
+    digest = hashlib.sha1(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
+    out = pathlib.Path("/tmp/moejax_kernels") / f"{digest}.so"
+    if not out.exists():
+        out.parent.mkdir(exist_ok=True)
+        include = sysconfig.get_paths()["include"]
+        cmd = ["g++", "-shared", "-fPIC", "-std=c++17", "-O3", "-g0", "-ffp-contract=off", "-fno-math-errno"]
+        cmd += ["-isystem", str(ROOT / "csrc/third_party"), f"-I{csrc}", f"-I{include}", "-o", str(out)]
+        cmd += [str(HARNESS), str(csrc / "linear_cpu.cc"), str(csrc / "scores_cpu.cc")]
+        subprocess.run(cmd, check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.kb_make.restype = ctypes.c_void_p
+    lib.kb_make.argtypes = [ctypes.c_int] * 5
+    lib.kb_free.argtypes = [ctypes.c_void_p]
+    lib.kb_expert_bytes.restype = ctypes.c_double
+    lib.kb_expert_bytes.argtypes = [ctypes.c_void_p]
+    lib.kb_run.restype = ctypes.c_double
+    lib.kb_run.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 7 + [ctypes.POINTER(ctypes.c_double)]
+    lib.kb_read.restype = ctypes.c_double
+    lib.kb_read.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--csrc", action="append", help="csrc trees to compare (default: this checkout's)")
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS)[:7], choices=list(FORMATS))
+    parser.add_argument("--threads", nargs="+", type=int, default=[1])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--reps", type=int, default=5, help="calls per (round, case)")
+    parser.add_argument("-E", type=int, default=48, help="experts in the model (K=8 chosen per call)")
+    parser.add_argument("-H", type=int, default=2048, help="hidden size")
+    parser.add_argument("-I", type=int, default=768, help="intermediate size (-I 128 -E 8: the weights fit the L3)")
+    parser.add_argument("--phases", type=int, default=7, help="bit 0 gate/up, bit 1 down, bit 2 combine")
+    parser.add_argument("--read", action="store_true", help="also time the read ceiling")
+    args = parser.parse_args()
+    H, I = args.H, args.I
+    trees = [pathlib.Path(c).resolve() for c in (args.csrc or [str(ROOT / "csrc")])]
+    libs = {str(t): build(t) for t in trees}
+    first = next(iter(libs.values()))  # the Model type is the harness's own: one set of models serves every tree
+    models = {f: first.kb_make(FORMATS[f], H, I, args.E, 128) for f in args.formats}
+    best: dict[tuple[str, int, str], float] = {}
+    for _ in range(args.rounds):
+        for f in args.formats:
+            for th in args.threads:
+                for name, lib in libs.items():
+                    mn = ctypes.c_double()
+                    lib.kb_run(models[f], 1, K, th, args.reps, args.phases, 1, 0, ctypes.byref(mn))
+                    key = (f, th, name)
+                    best[key] = min(best.get(key, 1e9), mn.value)
+    macs = K * 3 * H * I
+    print(f"T=1, K={K} of E={args.E}, H={H}, I={I}; min over {args.rounds} x {args.reps} calls, phases {args.phases}")
+    print(f"{'format':10s} thr {'ms':>7s} {'GMAC/s/thr':>10s} {'GB/s/thr':>9s} {'/f32':>5s}  tree")
+    for f in args.formats:
+        nbytes = K * first.kb_expert_bytes(models[f])
+        for th in args.threads:
+            for name in libs:
+                s = best[f, th, name]
+                ref = best.get(("float32", th, name))
+                ratio = f"{s / ref:5.2f}" if ref else "    -"
+                rates = f"{macs / s / th / 1e9:10.2f} {nbytes / s / th / 1e9:9.2f}"
+                print(f"{f:10s} {th:3d} {s * 1e3:7.2f} {rates} {ratio}  {name}")
+    for m in models.values():
+        first.kb_free(m)
+    if args.read:
+        nbytes = K * 3 * H * I * 4  # the float32 call's weight bytes (151 MB), a fresh region of 604 MB per rep
+        for th in args.threads:
+            s = first.kb_read(nbytes, 4 * nbytes, th, 12)
+            print(f"read ceiling, {th} thread(s): {nbytes / s / 1e9:.2f} GB/s ({nbytes / s / th / 1e9:.2f} per thread)")
+
+
+if __name__ == "__main__":
+    main()
