@@ -17,6 +17,10 @@ read bandwidth of a contiguous float32 GEMV in jax and the rate of a 2048³ floa
 measurement before and one after the cases). Times are medians of --repeats rounds after a warm-up round; a round
 calls moejax and every HF backend once, so that on a shared machine all of them see the same stretches of load.
 torch runs under `torch.inference_mode()` with `torch.set_num_threads(2)` (--torch-threads); jax uses every core.
+In a round each contender makes one untimed call right before its timed one, so the timed call runs as in a model
+(after a call of its own, not of the other library): torch's OpenMP threads spin for a while after a call
+(libgomp's default) and took the cores from a jax call that followed at once (2026-12-02, quiet 2-core machine,
+median of 7, moejax decode T=1 float32 11.82 ms right after torch vs 7.57 with torch's threads passive).
 
 Run (torch and transformers come with the `peers` extra; torch==2.13.0 is a CPU build):
 
@@ -239,10 +243,13 @@ class Contender:
 
 def interleaved_samples(contenders: list[Contender], repeats: int, warmup: int) -> dict[str, list[float]]:
     """Seconds of `repeats` calls of each contender, round-robin (one call of each per round), after `warmup`
-    untimed rounds: on a shared machine every contender then sees the same stretches of load."""
+    untimed rounds: on a shared machine every contender then sees the same stretches of load. Each timed call
+    follows an untimed call of the same contender (module docstring)."""
     samples: dict[str, list[float]] = {c.name: [] for c in contenders}
     for round_ in range(warmup + repeats):
         for contender in contenders:
+            contender.setup()
+            contender.call()
             contender.setup()
             start = time.perf_counter()
             contender.call()
