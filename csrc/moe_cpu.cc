@@ -563,9 +563,7 @@ struct NoThrow<F> {
   }
 };
 
-}  // namespace moe
 
-namespace moe {
 // The arguments both routed-experts handlers start with.
 static auto BindExpertsArgs() {
   return ffi::Ffi::Bind()
