@@ -4,13 +4,19 @@
     JAX_PLATFORMS=cpu python benchmarks/quant_bench.py --impls native cpu   # the native kernels next to the CPU plans
     JAX_PLATFORMS=cpu python benchmarks/quant_bench.py --products [--rounds 15]
     JAX_PLATFORMS=cpu python benchmarks/quant_bench.py --torch-peer [--rounds 15]   # torch's weight-only kernels
+    JAX_PLATFORMS=cpu python benchmarks/quant_bench.py --impls native --steps 16   # 16 decode steps per jit call
 
-Each format is timed on the per-expert layout with each backend of --impls (default `auto`: the native kernels when
+Each format is timed on the per-expert layout (`--layout stacked`: one [E, ...] array per field) with each backend of --impls (default `auto`: the native kernels when
 built, else the CPU plans; the backend that ran is printed): dense bfloat16 with bfloat16 x, the others with
 float32 x; a new random token each round. Rounds interleave the formats and backends, so the load of a shared CPU
 falls on all of them alike. Prints the minimum and median step time, the median relative to dense bfloat16 on the
 same backend, the minimum relative to float32's on the same backend (the issue's decode targets), and the bytes of
 the routed experts relative to bfloat16.
+
+`--steps N` (default 1): each timed call runs N decode steps, a new random token each, inside one jitted
+`lax.scan` (as a model compiled as one program runs its layers), and the time per step is printed: jax's Python
+dispatch of the call (which grows with the number of arrays in the params: 769 for a quantized per-expert layer of
+128 experts, 257 for float32's) is then paid once per N steps, not once per step.
 
 `--products`: the one-row product forms tried for the quantized decode, at the layer's gate|up shape `[H] x [H, 2I]`
 (16 different experts' weights per call, so reads do not come from L1/L2), against the dense bfloat16 dot the plan
@@ -227,6 +233,8 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--impls", nargs="+", default=["auto"], choices=moejax.backends.IMPLS, help="backends")
+    parser.add_argument("--layout", default="per_expert", choices=["per_expert", "stacked"], help="expert layout")
+    parser.add_argument("--steps", type=int, default=1, help="decode steps per jitted call (a lax.scan)")
     parser.add_argument("--products", action="store_true", help="time one-row product variants instead")
     parser.add_argument("--torch-peer", action="store_true", help="time torch's weight-only int8/int4 kernels instead")
     args = parser.parse_args()
@@ -238,24 +246,29 @@ def main() -> None:
         time_torch_peer(cfg, args.rounds)
         return
     bf16_bytes = 3 * cfg.num_experts * cfg.hidden_size * cfg.intermediate_size * 2
-    print(f"{args.layer}: H={cfg.hidden_size} E={cfg.num_experts} K={cfg.top_k} I={cfg.intermediate_size}, T=1")
-    step = jax.jit(lambda p, x, impl: moejax.moe_forward(p, x, cfg, impl=impl), static_argnums=2)
-    xs = [jax.random.normal(jax.random.key(i), (1, cfg.hidden_size)) for i in range(args.rounds + 1)]
+    print(f"{args.layer}: H={cfg.hidden_size} E={cfg.num_experts} K={cfg.top_k} I={cfg.intermediate_size}, T=1, "
+          f"{args.steps} step(s) per call, {args.layout} layout")  # fmt: skip
+
+    def steps(p, xs, impl):  # xs [steps, 1, H]: one decode step per token, in order
+        return jax.lax.scan(lambda c, x: (c, moejax.moe_forward(p, x, cfg, impl=impl)), None, xs)[1]
+
+    step = jax.jit(steps, static_argnums=2)
+    xs = [jax.random.normal(jax.random.key(i), (args.steps, 1, cfg.hidden_size)) for i in range(args.rounds + 1)]
     cases = {}
     for name in args.formats:  # build and compile every case first
         fmt, dtype = FORMATS[name]
-        params = moejax.init_params(cfg, jax.random.key(0), dtype, fmt=fmt, layout="per_expert")
+        params = moejax.init_params(cfg, jax.random.key(0), dtype, fmt=fmt, layout=args.layout)
         x_dtype = jnp.bfloat16 if name == "bfloat16" else jnp.float32  # quantized: float32 x, one-row products
         for impl in args.impls:
             step(params, xs[0].astype(x_dtype), impl).block_until_ready()
-            ran = moejax.forward.chosen_impl(params, xs[0].astype(x_dtype), cfg, impl=impl)
+            ran = moejax.forward.chosen_impl(params, xs[0][0].astype(x_dtype), cfg, impl=impl)
             cases[name, impl] = (params, x_dtype, routed_bytes(params) / bf16_bytes, ran, [])
     for x in xs[1:]:  # interleaved rounds: a shared CPU's load falls on every format alike
         for (_, impl), (params, x_dtype, _, _, times) in cases.items():
             xt = x.astype(x_dtype)
             t0 = time.perf_counter()
             step(params, xt, impl).block_until_ready()
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0) / args.steps)
     print(f"{'format':10s} {'backend':>10s} {'memory/bf16':>11s} {'x dtype':>8s} {'min ms':>8s} {'median ms':>9s} "
           f"{'median/bf16':>11s} {'min/f32':>8s}")  # fmt: skip
     for (name, impl), (_, x_dtype, mem, ran, times) in cases.items():
