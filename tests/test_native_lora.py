@@ -246,3 +246,25 @@ def test_a_rows_layer_output_with_router_and_shared_gate_adapters_does_not_depen
         got = np.asarray(forward(params, jnp.asarray(x), jnp.asarray(ids)))
         for pos in positions:
             np.testing.assert_array_equal(got[pos], alone, err_msg=f"T={T} position {pos}")
+
+
+def test_eight_four_and_one_chain_dots_give_the_same_bits():
+    """The deltas' dots run 8 chains at once (AVX2: their lane trees across registers), then 4, then 1: each sum
+    must be the one chain's bits whatever block computed it. Rank 13 and out 21 (8 + 4 + 1 blocks): u (B the
+    identity, so delta = u exactly) and every output column equal the same sums computed alone (rank 1, out 1)."""
+    from moejax.backends import native_layer
+
+    rng = np.random.default_rng(5)
+    n, r, n_in, n_out, T = 3, 13, 43, 21, 6
+    a, b = _normal(rng, (n, r, n_in), n_in), _normal(rng, (n, n_out, r), 1)
+    scale, x, ids = jnp.asarray([0, 0.5, 1.5]), _x(T, n_in, 6), jnp.asarray([1, 2, 1, 2, 0, 1], jnp.int32)
+    eye = jnp.broadcast_to(jnp.eye(r), (n, r, r))
+    u = np.asarray(native_layer.native_lora_delta(LoRAPair(a, eye, scale), x, ids))
+    ones = jnp.ones((n, 1, 1))
+    for j in range(r):
+        alone = native_layer.native_lora_delta(LoRAPair(a[:, j : j + 1], ones, scale), x, ids)
+        np.testing.assert_array_equal(u[:, j], np.asarray(alone)[:, 0], err_msg=f"u[{j}]")
+    got = np.asarray(native_layer.native_lora_delta(LoRAPair(a, b, scale), x, ids))
+    for c in range(n_out):
+        alone = native_layer.native_lora_delta(LoRAPair(a, b[:, c : c + 1], scale), x, ids)
+        np.testing.assert_array_equal(got[:, c], np.asarray(alone)[:, 0], err_msg=f"column {c}")
