@@ -95,10 +95,12 @@ def router_logits(
         # Gemma-4: weightless RMSNorm, learned scale, and 1/sqrt(H) (a python float), in the input dtype.
         x = rms_normalize(x, cfg.rms_norm_eps) * router.scale.astype(x.dtype) * cfg.hidden_size**-0.5
     dtype = policy_dtype(cfg.router_dtype, x)
+    kernel = router.kernel
     if matmul is None:
-        logits = jnp.dot(x.astype(dtype), router.kernel.astype(dtype), preferred_element_type=jnp.float32)
-    else:
-        logits = matmul(x.astype(dtype), router.kernel.astype(dtype))
+        logits = jnp.dot(x.astype(dtype), kernel.astype(dtype), preferred_element_type=jnp.float32)
+    else:  # a bfloat16 / float16 kernel read as stored: the native matmul widens it exactly (no float32 copy)
+        widen = dtype == jnp.float32 and kernel.dtype in (jnp.bfloat16, jnp.float16)
+        logits = matmul(x.astype(dtype), kernel if widen else kernel.astype(dtype))
     if lora is not None:
         delta = (pair_delta if lora_delta is None else lora_delta)(lora, x, adapter)
         logits = add_delta(logits, delta, adapter)

@@ -167,6 +167,26 @@ def test_linear_matches_float64(portable):
 
 
 @built
+def test_router_reads_a_bfloat16_kernel_as_stored():
+    """float32 x with a bfloat16 router kernel (a quantized checkpoint's): the native router reads the kernel as
+    stored, with the logits of the kernel widened first bit for bit, and no float32 copy of it in the program."""
+    from moejax.routing import router_logits
+
+    cfg, _ = _layer("qwen2_moe")
+    H, N = cfg.hidden_size, cfg.num_experts
+    kernel = jax.random.normal(jax.random.key(3), (H, N), jnp.bfloat16)
+    x = jnp.asarray(_rows(9, 4))
+
+    def logits(kernel, x):
+        return router_logits(moejax.params.RouterParams(kernel), x, cfg, matmul=native_layer.matmul)
+
+    got = jax.jit(logits)(kernel, x)
+    np.testing.assert_array_equal(got, jax.jit(logits)(kernel.astype(jnp.float32), x))
+    hlo = jax.jit(logits).lower(kernel, x).compile().as_text()
+    assert f"f32[{H},{N}]" not in hlo, "the kernel was copied to float32"
+
+
+@built
 def test_linear_bad_inputs_raise_in_python():
     x, w = jnp.ones((3, 8)), jnp.ones((8, 4))
     with pytest.raises(ValueError, match="x must be"):

@@ -94,8 +94,9 @@ def xla_matmul(x: Array, w: Array) -> Array:
 
 @jax.custom_vjp
 def matmul(x: Array, w: Array) -> Array:
-    """`x [T, K] @ w [K, N]` `[T, N]` float32 (x and w in one dtype, accumulated in float32): `linear` in a
-    program lowered for the CPU, `xla_matmul` elsewhere; gradients are `xla_matmul`'s."""
+    """`x [T, K] @ w [K, N]` `[T, N]` float32 (x and w in one dtype, or float32 x and a bfloat16 / float16 w,
+    widened exactly; accumulated in float32): `linear` in a program lowered for the CPU, `xla_matmul` elsewhere;
+    gradients are `xla_matmul`'s."""
     return _on_cpu(lambda x, w: linear(x, w, max_threads=_MAX_THREADS), xla_matmul, x, w)
 
 
