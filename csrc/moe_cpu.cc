@@ -356,9 +356,10 @@ static int chunk_width(int fmt) {
 }
 
 // The chunk widths of a call once its routing is known (threads: the pool's size). Dense [out, in] weights with
-// many rows per union expert (prefill: on average >= 8) take items of up to 128 outputs: the kernel prefetches each
-// next 16-output tile inside an item (a tile that comes cold from memory costs about as much as computing it), so
-// wider items start cold less often; still at least 8 items per thread. Widths never change a value's bits.
+// many rows per union expert (prefill: on average >= 8) take the widest items (multiples of 16 outputs, up to a
+// whole projection) that still give every thread >= 8 items: the kernel packs an item's input rows once (from
+// memory at large T: a cost per item) and prefetches each next 16-output tile inside it (a tile that comes cold
+// from memory costs about as much as computing it). Widths never change a value's bits.
 #define MOE_HAS_SET_CHUNKS 1  // for benchmarks/native_kernels.cc, which also builds older csrc trees
 static void set_chunks(Job& job, int threads) {
   job.chunk_gu = job.chunk_down = chunk_width(job.fmt);
@@ -366,8 +367,9 @@ static void set_chunks(Job& job, int threads) {
   const bool outin = job.fmt == kFusedF32 || job.fmt == kFusedBF16 || job.fmt == kFusedF16;
   if (!outin || P < 8 * U) return;
   auto wide = [&](int n_out) {
-    int w = 128;
-    while (w > 16 && static_cast<int64_t>(U) * ((n_out + w - 1) / w) < 8 * static_cast<int64_t>(threads)) w /= 2;
+    int w = (n_out + 15) / 16 * 16;
+    while (w > 16 && static_cast<int64_t>(U) * ((n_out + w - 1) / w) < 8 * static_cast<int64_t>(threads))
+      w = (w / 2 + 15) / 16 * 16;
     return w;
   };
   job.chunk_gu = wide(job.I);
