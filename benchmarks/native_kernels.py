@@ -1,15 +1,17 @@
 """Kernel-only timing of the native routed-expert kernels (benchmarks/native_kernels.cc): no XLA, no router.
 
     python benchmarks/native_kernels.py [--csrc csrc [--csrc /tmp/old/csrc ...]] [--formats int8 int4 ...]
-        [--threads 1 2] [--rounds 6] [--reps 5] [-E 48] [--phases 7] [--read]
+        [--threads 1 2] [--rounds 6] [--reps 5] [-E 48] [-T 1] [--cpu-time] [--phases 7] [--read]
 
 Compiles the harness once per csrc tree (g++, the package's flags; libraries cached under /tmp/moejax_kernels),
 builds one model per format (Qwen3-30B-A3B's experts: H=2048, I=768, E=48 by default: more bytes than the L3, so
-the weights come from memory; int8 / int4 groups of 128, symmetric), then times decode calls (T=1, K=8 distinct
-random experts, a new x and new experts per call) in interleaved rounds: per round every (format, threads, tree)
+the weights come from memory; int8 / int4 groups of 128, symmetric), then times calls of T rows (default decode, T=1;
+each row K=8 distinct random experts, a new x and new experts per call; -T 128 -E 32: about 32 rows per expert,
+prefill's many-row kernels) in interleaved rounds: per round every (format, threads, tree)
 runs --reps calls; the minimum over all is printed with its GMAC/s and GB/s per thread and its ratio to
-float32 (the fused [out, in] layout) of the same tree and thread count. --read: the read ceiling (GB/s of a
-4-accumulator float32 sum of float32 T=1's 151 MB, a fresh region per rep).
+float32 (the fused [out, in] layout) of the same tree and thread count. --cpu-time: the process's CPU time
+instead of the wall clock (with --threads 1: far less sensitive to other load on the machine). --read: the read
+ceiling (GB/s of a 4-accumulator float32 sum of float32 T=1's 151 MB, a fresh region per rep).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def build(csrc: pathlib.Path) -> ctypes.CDLL:
     lib.kb_expert_bytes.argtypes = [ctypes.c_void_p]
     lib.kb_run.restype = ctypes.c_double
     lib.kb_run.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 7 + [ctypes.POINTER(ctypes.c_double)]
+    lib.kb_set_cpu_clock.argtypes = [ctypes.c_int]
     lib.kb_read.restype = ctypes.c_double
     lib.kb_read.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
     return lib
@@ -62,12 +65,16 @@ def main() -> None:
     parser.add_argument("-E", type=int, default=48, help="experts in the model (K=8 chosen per call)")
     parser.add_argument("-H", type=int, default=2048, help="hidden size")
     parser.add_argument("-I", type=int, default=768, help="intermediate size (-I 128 -E 8: the weights fit the L3)")
+    parser.add_argument("-T", type=int, default=1, help="rows per call (K distinct experts each)")
+    parser.add_argument("--cpu-time", action="store_true", help="time process CPU time, not the wall clock")
     parser.add_argument("--phases", type=int, default=7, help="bit 0 gate/up, bit 1 down, bit 2 combine")
     parser.add_argument("--read", action="store_true", help="also time the read ceiling")
     args = parser.parse_args()
     H, I = args.H, args.I
     trees = [pathlib.Path(c).resolve() for c in (args.csrc or [str(ROOT / "csrc")])]
     libs = {str(t): build(t) for t in trees}
+    for lib in libs.values():
+        lib.kb_set_cpu_clock(int(args.cpu_time))
     first = next(iter(libs.values()))  # the Model type is the harness's own: one set of models serves every tree
     models = {f: first.kb_make(FORMATS[f], H, I, args.E, 128) for f in args.formats}
     best: dict[tuple[str, int, str], float] = {}
@@ -76,14 +83,15 @@ def main() -> None:
             for th in args.threads:
                 for name, lib in libs.items():
                     mn = ctypes.c_double()
-                    lib.kb_run(models[f], 1, K, th, args.reps, args.phases, 1, 0, ctypes.byref(mn))
+                    lib.kb_run(models[f], args.T, K, th, args.reps, args.phases, 1, 0, ctypes.byref(mn))
                     key = (f, th, name)
                     best[key] = min(best.get(key, 1e9), mn.value)
-    macs = K * 3 * H * I
-    print(f"T=1, K={K} of E={args.E}, H={H}, I={I}; min over {args.rounds} x {args.reps} calls, phases {args.phases}")
+    macs = args.T * K * 3 * H * I
+    shape = f"T={args.T}, K={K} of E={args.E}, H={H}, I={I}"
+    print(f"{shape}; min over {args.rounds} x {args.reps} calls, phases {args.phases}")
     print(f"{'format':10s} thr {'ms':>7s} {'GMAC/s/thr':>10s} {'GB/s/thr':>9s} {'/f32':>5s}  tree")
     for f in args.formats:
-        nbytes = K * first.kb_expert_bytes(models[f])
+        nbytes = min(args.T * K, args.E) * first.kb_expert_bytes(models[f])  # about: each union expert once
         for th in args.threads:
             for name in libs:
                 s = best[f, th, name]

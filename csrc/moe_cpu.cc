@@ -355,6 +355,27 @@ static int chunk_width(int fmt) {
   }
 }
 
+// The chunk widths of a call once its routing is known (threads: the pool's size). Dense [out, in] weights with
+// many rows per union expert (prefill: on average >= 8) take the widest items (multiples of 16 outputs, up to a
+// whole projection) that still give every thread >= 8 items: the kernel packs an item's input rows once (from
+// memory at large T: a cost per item) and prefetches each next 16-output tile inside it (a tile that comes cold
+// from memory costs about as much as computing it). Widths never change a value's bits.
+#define MOE_HAS_SET_CHUNKS 1  // for benchmarks/native_kernels.cc, which also builds older csrc trees
+static void set_chunks(Job& job, int threads) {
+  job.chunk_gu = job.chunk_down = chunk_width(job.fmt);
+  const int U = static_cast<int>(job.union_ids.size()), P = static_cast<int>(job.pair_x.size());
+  const bool outin = job.fmt == kFusedF32 || job.fmt == kFusedBF16 || job.fmt == kFusedF16;
+  if (!outin || P < 8 * U) return;
+  auto wide = [&](int n_out) {
+    int w = (n_out + 15) / 16 * 16;
+    while (w > 16 && static_cast<int64_t>(U) * ((n_out + w - 1) / w) < 8 * static_cast<int64_t>(threads))
+      w = (w / 2 + 15) / 16 * 16;
+    return w;
+  };
+  job.chunk_gu = wide(job.I);
+  job.chunk_down = wide(job.H);
+}
+
 // The LoRA phase items of the chosen ISA (lora_kernels.inc).
 static const LoRAKernels& lora_kernels() {
 #if MOE_X86
@@ -446,8 +467,8 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
   job.out = out->typed_data();
   job.pair_h.resize(P);
   for (size_t p = 0; p < P; ++p) job.pair_h[p] = job.h + p * job.I;
-  job.chunk_gu = chunk_width(job.fmt);
-  job.chunk_down = chunk_width(job.fmt);
+  set_chunks(job, max_threads > 0 ? static_cast<int>(std::min<int64_t>(max_threads, pool.num_threads()))
+                                   : static_cast<int>(pool.num_threads()));
   if (lora) lora->prepare(P);
   if (job.act8) {
     act8.x.prepare(P, job.H, static_cast<int>(act_group));

@@ -209,6 +209,29 @@ def test_long_inputs_and_partial_strips_match_oracle():
 
 
 @built
+@pytest.mark.parametrize("dtype", DENSE)
+def test_prefill_row_blocks_and_tiles_match_rows_alone_bit_for_bit(dtype):
+    """The many-row [out, in] kernel (packed tiles of 16 outputs, register blocks of 6 rows, items of several
+    tiles on one thread): expert e holds 7 + e rows (row blocks 6 + 1..5 and 6 + 6), H=300 (K blocks 256 + 40 and a
+    tail of 4), I=40 (tiles 16 + 16 + 8); every row equals the row alone (the few-row kernel) bit for bit, on one
+    thread (wide items) and on all, and the oracle."""
+    E, H, I = 6, 300, 40
+    dense = _dense(E, H, I, dtype)
+    experts = _fused_per_expert(dense)
+    act = ACTIVATIONS["silu"]
+    ids = np.repeat(np.arange(E, dtype=np.int32), 7 + np.arange(E))[np.random.default_rng(3).permutation(57)]
+    slots = Slots(jnp.asarray(ids[:, None]), jnp.ones((ids.size, 1), jnp.float32))
+    x = _x(ids.size, H, 13)
+    run = jax.jit(lambda x, s, n: native.routed_experts(experts, x, s, act, max_threads=n), static_argnums=2)
+    got = {n: np.asarray(run(x, slots, n)) for n in (1, 0)}
+    _assert_close(got[0], _oracle(dense, x, slots, act), dtype)
+    for t in range(ids.size):
+        alone = np.asarray(run(x[t : t + 1], Slots(slots.indices[t : t + 1], slots.out_weight[t : t + 1]), 1))[0]
+        for n in (1, 0):
+            np.testing.assert_array_equal(got[n][t], alone, err_msg=f"{dtype}: row {t} (expert {ids[t]}), {n} threads")
+
+
+@built
 def test_special_codes_match_dequantize_then_reference():
     """Every e4m3 byte (subnormals exact, 0x7f/0xff NaN) as FP8 codes, and an e8m0 scale of 255 (NaN) in MXFP4: NaN
     where the dequantized reference has NaN, the oracle's values elsewhere."""
