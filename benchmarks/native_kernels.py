@@ -1,7 +1,7 @@
 """Kernel-only timing of the native routed-expert kernels (benchmarks/native_kernels.cc): no XLA, no router.
 
     python benchmarks/native_kernels.py [--csrc csrc [--csrc /tmp/old/csrc ...]] [--formats int8 int4 ...]
-        [--threads 1 2] [--rounds 6] [--reps 5] [-E 48] [--phases 7] [--read]
+        [--threads 1 2] [--rounds 6] [--reps 5] [-E 48] [--phases 7] [--read] [--cpu]
 
 Compiles the harness once per csrc tree (g++, the package's flags; libraries cached under /tmp/moejax_kernels),
 builds one model per format (Qwen3-30B-A3B's experts: H=2048, I=768, E=48 by default: more bytes than the L3, so
@@ -9,7 +9,8 @@ the weights come from memory; int8 / int4 groups of 128, symmetric), then times 
 random experts, a new x and new experts per call) in interleaved rounds: per round every (format, threads, tree)
 runs --reps calls; the minimum over all is printed with its GMAC/s and GB/s per thread and its ratio to
 float32 (the fused [out, in] layout) of the same tree and thread count. --read: the read ceiling (GB/s of a
-4-accumulator float32 sum of float32 T=1's 151 MB, a fresh region per rep).
+4-accumulator float32 sum of float32 T=1's 151 MB, a fresh region per rep). --cpu: one-thread calls timed by the
+thread's CPU clock (less sensitive to other processes on a shared machine; the wall clock otherwise).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def build(csrc: pathlib.Path) -> ctypes.CDLL:
     lib.kb_make.restype = ctypes.c_void_p
     lib.kb_make.argtypes = [ctypes.c_int] * 5
     lib.kb_free.argtypes = [ctypes.c_void_p]
+    lib.kb_cpu_time.argtypes = [ctypes.c_int]
     lib.kb_expert_bytes.restype = ctypes.c_double
     lib.kb_expert_bytes.argtypes = [ctypes.c_void_p]
     lib.kb_run.restype = ctypes.c_double
@@ -64,10 +66,13 @@ def main() -> None:
     parser.add_argument("-I", type=int, default=768, help="intermediate size (-I 128 -E 8: the weights fit the L3)")
     parser.add_argument("--phases", type=int, default=7, help="bit 0 gate/up, bit 1 down, bit 2 combine")
     parser.add_argument("--read", action="store_true", help="also time the read ceiling")
+    parser.add_argument("--cpu", action="store_true", help="time one-thread runs by the thread's CPU clock")
     args = parser.parse_args()
     H, I = args.H, args.I
     trees = [pathlib.Path(c).resolve() for c in (args.csrc or [str(ROOT / "csrc")])]
     libs = {str(t): build(t) for t in trees}
+    for lib in libs.values():
+        lib.kb_cpu_time(int(args.cpu))
     first = next(iter(libs.values()))  # the Model type is the harness's own: one set of models serves every tree
     models = {f: first.kb_make(FORMATS[f], H, I, args.E, 128) for f in args.formats}
     best: dict[tuple[str, int, str], float] = {}

@@ -355,6 +355,24 @@ static int chunk_width(int fmt) {
   }
 }
 
+// The column chunks of a call's items. Decode (every union expert has one row, [in, out] weights, float32
+// activations): the widest chunks (multiples of 64 columns) that still give every thread two items per phase, so
+// the one-row kernel (kernels.inc inout_row1) reads whole weight rows, one address-ordered stream per projection,
+// which the prefetchers follow far better than 256-column pieces of rows (docs/notes-kdecode.md). Otherwise
+// chunk_width. Chunks never change a result's bits (each column's chain is the same in any chunk).
+static void set_chunks(Job& job, int threads) {
+  job.chunk_gu = job.chunk_down = chunk_width(job.fmt);
+  const bool outin = job.fmt == kFusedF32 || job.fmt == kFusedBF16 || job.fmt == kFusedF16;
+  const int U = static_cast<int>(job.union_ids.size());
+  if (outin || job.act8 || U == 0) return;
+  for (int u = 0; u < U; ++u)
+    if (job.pair_start[u + 1] - job.pair_start[u] != 1) return;
+  const int per_expert = std::max(1, (2 * threads + U - 1) / U);  // chunks per expert
+  auto width = [&](int n) { return std::max(job.chunk_gu, ((n + per_expert - 1) / per_expert + 63) / 64 * 64); };
+  job.chunk_gu = width(job.I);
+  job.chunk_down = width(job.H);
+}
+
 // The LoRA phase items of the chosen ISA (lora_kernels.inc).
 static const LoRAKernels& lora_kernels() {
 #if MOE_X86
@@ -446,8 +464,8 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
   job.out = out->typed_data();
   job.pair_h.resize(P);
   for (size_t p = 0; p < P; ++p) job.pair_h[p] = job.h + p * job.I;
-  job.chunk_gu = chunk_width(job.fmt);
-  job.chunk_down = chunk_width(job.fmt);
+  set_chunks(job, max_threads > 0 ? std::min<int>(pool.num_threads(), static_cast<int>(max_threads))
+                                  : pool.num_threads());
   if (lora) lora->prepare(P);
   if (job.act8) {
     act8.x.prepare(P, job.H, static_cast<int>(act_group));
