@@ -9,9 +9,10 @@ the weights come from memory; int8 / int4 groups of 128, symmetric), then times 
 each row K=8 distinct random experts, a new x and new experts per call; -T 128 -E 32: about 32 rows per expert,
 prefill's many-row kernels) in interleaved rounds: per round every (format, threads, tree)
 runs --reps calls; the minimum over all is printed with its GMAC/s and GB/s per thread and its ratio to
-float32 (the fused [out, in] layout) of the same tree and thread count. --cpu-time: the process's CPU time
-instead of the wall clock (with --threads 1: far less sensitive to other load on the machine). --read: the read
-ceiling (GB/s of a 4-accumulator float32 sum of float32 T=1's 151 MB, a fresh region per rep).
+float32 (the fused [out, in] layout) of the same tree and thread count. --cpu-time (or --cpu): CPU time instead
+of the wall clock (one thread: the thread's clock, far less sensitive to other load on the machine; more threads:
+the process's). --read: the read ceiling (GB/s of a 4-accumulator float32 sum of float32 T=1's 151 MB, a fresh
+region per rep).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def build(csrc: pathlib.Path) -> ctypes.CDLL:
     lib.kb_make.restype = ctypes.c_void_p
     lib.kb_make.argtypes = [ctypes.c_int] * 5
     lib.kb_free.argtypes = [ctypes.c_void_p]
+    lib.kb_cpu_time.argtypes = [ctypes.c_int]
     lib.kb_expert_bytes.restype = ctypes.c_double
     lib.kb_expert_bytes.argtypes = [ctypes.c_void_p]
     lib.kb_run.restype = ctypes.c_double
@@ -66,7 +68,7 @@ def main() -> None:
     parser.add_argument("-H", type=int, default=2048, help="hidden size")
     parser.add_argument("-I", type=int, default=768, help="intermediate size (-I 128 -E 8: the weights fit the L3)")
     parser.add_argument("-T", type=int, default=1, help="rows per call (K distinct experts each)")
-    parser.add_argument("--cpu-time", action="store_true", help="time process CPU time, not the wall clock")
+    parser.add_argument("--cpu-time", "--cpu", action="store_true", help="time CPU time, not the wall clock")
     parser.add_argument("--phases", type=int, default=7, help="bit 0 gate/up, bit 1 down, bit 2 combine")
     parser.add_argument("--read", action="store_true", help="also time the read ceiling")
     args = parser.parse_args()

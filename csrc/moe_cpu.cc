@@ -355,25 +355,40 @@ static int chunk_width(int fmt) {
   }
 }
 
-// The chunk widths of a call once its routing is known (threads: the pool's size). Dense [out, in] weights with
-// many rows per union expert (prefill: on average >= 8) take the widest items (multiples of 16 outputs, up to a
-// whole projection) that still give every thread >= 8 items: the kernel packs an item's input rows once (from
-// memory at large T: a cost per item) and prefetches each next 16-output tile inside it (a tile that comes cold
-// from memory costs about as much as computing it). Widths never change a value's bits.
-#define MOE_HAS_SET_CHUNKS 1  // for benchmarks/native_kernels.cc, which also builds older csrc trees
+// The column chunks of a call's items, once its routing is known (threads: the threads that take items). Widths
+// never change a value's bits (each column's chain is the same in any chunk).
+//  * Dense [out, in] weights with many rows per union expert (prefill: on average >= 8): the widest items
+//    (multiples of 16 outputs, up to a whole projection) that still give every thread >= 8 items: the kernel packs
+//    an item's input rows once (from memory at large T: a cost per item) and prefetches each next 16-output tile
+//    inside it (a tile that comes cold from memory costs about as much as computing it).
+//  * Decode ([in, out] weights, every union expert one row, float32 activations): the widest chunks (multiples of
+//    64 columns) that still give every thread two items per phase, so the one-row kernel (inout_row1) reads whole
+//    weight rows, one address-ordered stream per projection, which the prefetchers follow far better than
+//    256-column pieces of rows (docs/notes-kdecode.md).
+//  * Otherwise chunk_width.
 static void set_chunks(Job& job, int threads) {
   job.chunk_gu = job.chunk_down = chunk_width(job.fmt);
   const int U = static_cast<int>(job.union_ids.size()), P = static_cast<int>(job.pair_x.size());
-  const bool outin = job.fmt == kFusedF32 || job.fmt == kFusedBF16 || job.fmt == kFusedF16;
-  if (!outin || P < 8 * U) return;
-  auto wide = [&](int n_out) {
-    int w = (n_out + 15) / 16 * 16;
-    while (w > 16 && static_cast<int64_t>(U) * ((n_out + w - 1) / w) < 8 * static_cast<int64_t>(threads))
-      w = (w / 2 + 15) / 16 * 16;
-    return w;
-  };
-  job.chunk_gu = wide(job.I);
-  job.chunk_down = wide(job.H);
+  if (U == 0) return;
+  if (job.fmt == kFusedF32 || job.fmt == kFusedBF16 || job.fmt == kFusedF16) {
+    if (P < 8 * U) return;
+    auto wide = [&](int n_out) {
+      int w = (n_out + 15) / 16 * 16;
+      while (w > 16 && static_cast<int64_t>(U) * ((n_out + w - 1) / w) < 8 * static_cast<int64_t>(threads))
+        w = (w / 2 + 15) / 16 * 16;
+      return w;
+    };
+    job.chunk_gu = wide(job.I);
+    job.chunk_down = wide(job.H);
+    return;
+  }
+  if (job.act8) return;
+  for (int u = 0; u < U; ++u)
+    if (job.pair_start[u + 1] - job.pair_start[u] != 1) return;
+  const int per_expert = std::max(1, (2 * threads + U - 1) / U);  // chunks per expert
+  auto width = [&](int n) { return std::max(job.chunk_gu, ((n + per_expert - 1) / per_expert + 63) / 64 * 64); };
+  job.chunk_gu = width(job.I);
+  job.chunk_down = width(job.H);
 }
 
 // The LoRA phase items of the chosen ISA (lora_kernels.inc).

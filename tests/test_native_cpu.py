@@ -447,3 +447,30 @@ def test_one_row_experts_match_the_many_row_kernel_bit_for_bit(fmt):
     for t in (0, 3):
         alone = np.asarray(run(x[t : t + 1], one))[0]
         np.testing.assert_array_equal(alone, got[t], err_msg=f"{fmt}: row {t} alone")
+
+
+@built
+@pytest.mark.parametrize("fmt", ["float32_in_out", "int8_channel_asym", "int4_g16_asym", "fp8_block", "nvfp4"])
+def test_decode_whole_row_chunks_match_the_many_row_kernel_bit_for_bit(fmt):
+    """Decode (every chosen expert one row) on one thread takes each projection's columns as one chunk (whole
+    weight rows per item, moe_cpu.cc set_chunks); a batch whose rows share their experts takes 256-column chunks
+    through the many-row kernel: the row alone equals its batch row bit for bit, and the oracle. Sizes past one
+    256-column chunk and off every vector: float32 [in, out] H=601, I=299 (odd rows, partial vectors at each row's
+    end); quantized H=544 (K blocks 256 + 256 + 32; down's 544 columns not a multiple of 64), I=336; FP8 H=600,
+    I=328 (odd vector counts: the one-row kernel decodes FP8 two vectors at a time, then one; partial blocks)."""
+    E, K, T = 3, 2, 4
+    if fmt == "float32_in_out":
+        H, I = 601, 299
+        experts = _dense(E, H, I)
+    else:
+        H, I = (600, 328) if fmt == "fp8_block" else (544, 336)
+        experts = _quantized(fmt, E=E, H=H, I=I)
+    act = ACTIVATIONS["silu"]
+    x = _x(T, H, 5)
+    one = _slots(1, K, E, 5, skipped=False)
+    slots = Slots(jnp.repeat(one.indices, T, 0), jnp.repeat(one.out_weight, T, 0))
+    got = np.asarray(jax.jit(lambda x, s: native.routed_experts(experts, x, s, act))(x, slots))
+    _assert_close(got, _oracle(experts, x, slots, act), fmt)
+    alone = jax.jit(lambda x, s: native.routed_experts(experts, x, s, act, max_threads=1))
+    for t in (0, 3):
+        np.testing.assert_array_equal(np.asarray(alone(x[t : t + 1], one))[0], got[t], err_msg=f"{fmt}: row {t}")
