@@ -46,7 +46,6 @@ def build(csrc: pathlib.Path) -> ctypes.CDLL:
     lib.kb_make.restype = ctypes.c_void_p
     lib.kb_make.argtypes = [ctypes.c_int] * 5
     lib.kb_free.argtypes = [ctypes.c_void_p]
-    lib.kb_cpu_time.argtypes = [ctypes.c_int]
     lib.kb_expert_bytes.restype = ctypes.c_double
     lib.kb_expert_bytes.argtypes = [ctypes.c_void_p]
     lib.kb_run.restype = ctypes.c_double
