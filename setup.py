@@ -8,8 +8,29 @@ AddressSanitizer and UndefinedBehaviorSanitizer (tests only: run Python with LD_
 
 import os
 import platform
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class ParallelBuildExt(build_ext):
+    """build_ext compiling an extension's sources side by side, one per core (setuptools compiles them one after
+    the other): the kernels' file moe_cpu.cc takes ~55 s, the other two ~10 s."""
+
+    def build_extension(self, ext):
+        original = self.compiler.compile
+
+        def compile_each(sources, *args, **kwargs):
+            with ThreadPoolExecutor(max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+                objects = pool.map(lambda source: original([source], *args, **kwargs), sources)
+                return [obj for per_source in objects for obj in per_source]
+
+        self.compiler.compile = compile_each
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler.compile = original
 
 
 def _native_extensions() -> list[Extension]:
@@ -55,4 +76,4 @@ def _native_extensions() -> list[Extension]:
     ]
 
 
-setup(ext_modules=_native_extensions())
+setup(ext_modules=_native_extensions(), cmdclass={"build_ext": ParallelBuildExt})
