@@ -60,6 +60,8 @@ def _native_extensions() -> list[Extension]:
                 "csrc/act8.inc",
                 "csrc/act8_kernels.inc",
                 "csrc/kernels.inc",
+                "csrc/kernels_inout.inc",
+                "csrc/kernels_outin.inc",
                 "csrc/vec_avx2.inc",
                 "csrc/vec_generic.inc",
                 "csrc/linear_kernel.inc",
