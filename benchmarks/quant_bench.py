@@ -6,12 +6,12 @@
     JAX_PLATFORMS=cpu python benchmarks/quant_bench.py --torch-peer [--rounds 15]   # torch's weight-only kernels
     JAX_PLATFORMS=cpu python benchmarks/quant_bench.py --impls native --steps 16   # 16 decode steps per jit call
 
-Each format is timed on the per-expert layout (`--layout stacked`: one [E, ...] array per field) with each backend of --impls (default `auto`: the native kernels when
-built, else the CPU plans; the backend that ran is printed): dense bfloat16 with bfloat16 x, the others with
-float32 x; a new random token each round. Rounds interleave the formats and backends, so the load of a shared CPU
-falls on all of them alike. Prints the minimum and median step time, the median relative to dense bfloat16 on the
-same backend, the minimum relative to float32's on the same backend (the issue's decode targets), and the bytes of
-the routed experts relative to bfloat16.
+Each format is timed on the per-expert layout (`--layout stacked`: one [E, ...] array per field) with each backend
+of --impls (default `auto`: the native kernels when built, else the CPU plans; the backend that ran is printed):
+dense bfloat16 with bfloat16 x, the others with float32 x; a new random token each round. Rounds interleave the
+formats and backends, so the load of a shared CPU falls on all of them alike. Prints the minimum and median step
+time, the median relative to dense bfloat16 on the same backend, the minimum relative to float32's on the same
+backend (the issue's decode targets), and the bytes of the routed experts relative to bfloat16.
 
 `--steps N` (default 1): each timed call runs N decode steps, a new random token each, inside one jitted
 `lax.scan` (as a model compiled as one program runs its layers), and the time per step is printed: jax's Python
