@@ -156,21 +156,25 @@ static Model* make(int fmt, int H, int I, int E, int group) {
 __attribute__((target("avx2,fma,f16c")))
 #endif
 static float read_sum(const float* x, size_t n, std::atomic<size_t>& next) {
-#if MOE_X86
-  using namespace moe::avx2;
-#else
-  using namespace moe::generic;
-#endif
   constexpr size_t kChunk = 16384;
-  V a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
+#if MOE_X86  // four 8-lane accumulators (the harness's own: csrc's vector header may live in another file)
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (size_t c = next.fetch_add(kChunk); c < n; c = next.fetch_add(kChunk))
     for (size_t i = c; i + 32 <= std::min(n, c + kChunk); i += 32) {
-      a0 = vadd(a0, vload(x + i));
-      a1 = vadd(a1, vload(x + i + 8));
-      a2 = vadd(a2, vload(x + i + 16));
-      a3 = vadd(a3, vload(x + i + 24));
+      a0 = _mm256_add_ps(a0, _mm256_loadu_ps(x + i));
+      a1 = _mm256_add_ps(a1, _mm256_loadu_ps(x + i + 8));
+      a2 = _mm256_add_ps(a2, _mm256_loadu_ps(x + i + 16));
+      a3 = _mm256_add_ps(a3, _mm256_loadu_ps(x + i + 24));
     }
-  return hsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+#else
+  float a = 0.0f;
+  for (size_t c = next.fetch_add(kChunk); c < n; c = next.fetch_add(kChunk))
+    for (size_t i = c; i < std::min(n, c + kChunk); ++i) a += x[i];
+  return a;
+#endif
 }
 }  // namespace kb
 
@@ -188,11 +192,18 @@ double kb_expert_bytes(void* m) { return static_cast<double>(static_cast<kb::Mod
 double kb_run(void* mp, int T, int K, int threads, int reps, int phases, int avx2, int same_rows, double* out_min) {
   using namespace moe;
   auto* m = static_cast<kb::Model*>(mp);
+#if __has_include("moe_job.h")  // the kernel variants in translation units of their own (built beside this one)
+  const Kernels* table = generic::tables().kernels;
 #if MOE_X86
-  const Kernels& k = (avx2 ? avx2::kTable : generic::kTable)[m->fmt];
-#else
-  const Kernels& k = generic::kTable[m->fmt];
+  if (avx2) table = avx2::tables().kernels;
 #endif
+#else  // an older csrc tree: the variants inside moe_cpu.cc
+  const Kernels* table = generic::kTable;
+#if MOE_X86
+  if (avx2) table = avx2::kTable;
+#endif
+#endif
+  const Kernels& k = table[m->fmt];
   kb::Pool pool(threads);
   std::mt19937 rng(7);
   std::normal_distribution<float> nd(0, 1);

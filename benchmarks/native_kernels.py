@@ -41,6 +41,7 @@ def build(csrc: pathlib.Path) -> ctypes.CDLL:
         cmd = ["g++", "-shared", "-fPIC", "-std=c++17", "-O3", "-g0", "-ffp-contract=off", "-fno-math-errno"]
         cmd += ["-isystem", str(ROOT / "csrc/third_party"), f"-I{csrc}", f"-I{include}", "-o", str(out)]
         cmd += [str(HARNESS), str(csrc / "linear_cpu.cc"), str(csrc / "scores_cpu.cc")]
+        cmd += [str(csrc / f) for f in ("moe_generic.cc", "moe_avx2.cc") if (csrc / f).exists()]  # newer trees
         subprocess.run(cmd, check=True)
     lib = ctypes.CDLL(str(out))
     lib.kb_make.restype = ctypes.c_void_p

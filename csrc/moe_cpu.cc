@@ -16,217 +16,18 @@
 // int8 activations for 4-bit weights (an explicit option, attribute act_group > 0): act8.inc, act8_kernels.inc
 // (their items replace 1. and 2., after a phase that quantizes each pair's input; same order guarantees).
 //
-// ISA: kernels.inc is compiled twice, as moe::avx2 (`#pragma GCC target("avx2,fma,f16c")`) and moe::generic
-// (baseline flags, any CPU); the variant is chosen once at load with __builtin_cpu_supports.
+// ISA: kernels.inc is compiled twice, as moe::avx2 (moe_avx2.cc, `#pragma GCC target("avx2,fma,f16c")`) and
+// moe::generic (moe_generic.cc, baseline flags, any CPU); the variant is chosen once at load with
+// __builtin_cpu_supports. The types the three files share: moe_job.h.
 
 #include <Python.h>
 
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <exception>
-#include <functional>
-#include <limits>
-#include <memory>
-#include <string>
-#include <thread>
-#include <utility>
-#include <vector>
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define MOE_X86 1
-#include <immintrin.h>
-#else
-#define MOE_X86 0
-#endif
-
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "moe_job.h"
 
 namespace moe {
 
-// Weight formats; the Python side (moejax/backends/native.py) uses the same numbers.
-enum Format : int {
-  kDenseF32 = 0,   // [in, out] gate, up, down (moejax.weights.ExpertWeights)
-  kDenseBF16 = 1,
-  kDenseF16 = 2,
-  kFusedF32 = 3,   // [out, in] gate|up fused, down (moejax.weights.FusedExpertWeights)
-  kFusedBF16 = 4,
-  kFusedF16 = 5,
-  kInt8 = 6,       // moejax.quantized: [in, out] codes, scales per group of inputs
-  kInt4 = 7,
-  kFp8 = 8,
-  kMxfp4 = 9,
-  kNvfp4 = 10,
-  kNumFormats = 11,
-};
-
-enum ActKind : int { kSilu = 0, kGeluTanh = 1, kGptOss = 2 };
-
-struct Activation {
-  int kind = kSilu;
-  bool has_limit = false;
-  float limit = 0.0f;
-  float alpha = 1.702f;
-  bool clamp_after = false;  // min(act(g), L) (Step-3.7) instead of act(min(g, L)) (DeepSeek-V4)
-};
-
-static inline float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
-static inline float silu(float z) { return z * sigmoid(z); }
-static inline float gelu_tanh(float z) {
-  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-  return z * (0.5f * (1.0f + std::tanh(k * (z + 0.044715f * (z * z * z)))));
-}
-
-// pallas_kernels/activations.py's GatedActivation, element by element.
-static inline float activation(const Activation& a, float g, float u) {
-  if (a.kind == kGptOss) {
-    g = std::min(g, a.limit);
-    u = std::min(std::max(u, -a.limit), a.limit);
-    return (u + 1.0f) * (g * sigmoid(a.alpha * g));
-  }
-  float (*f)(float) = a.kind == kSilu ? silu : gelu_tanh;
-  if (!a.has_limit) return f(g) * u;
-  u = std::min(std::max(u, -a.limit), a.limit);
-  if (a.clamp_after) return std::min(f(g), a.limit) * u;
-  return f(std::min(g, a.limit)) * u;
-}
-
-#include "scalar.inc"  // the scalar decoders (exact; the vector ones match them lane by lane)
-
-// Full unrolling of the small fixed loops over register blocks (keeps GCC's accumulator arrays in registers).
-#if defined(__clang__)
-#define MOE_UNROLL _Pragma("clang loop unroll(full)")
-#elif defined(__GNUC__)
-#define MOE_UNROLL _Pragma("GCC unroll 16")
-#else
-#define MOE_UNROLL
-#endif
-
-// A read prefetch into all cache levels (never faults, whatever the address).
-static inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
-
-// One [in, out] projection of one expert (moejax.quantized's layout; dense [in, out] uses q and n_in only).
-struct InOut {
-  const uint8_t* q = nullptr;      // codes (4-bit: [in/2, out] nibble pairs) or dense weights
-  const uint8_t* scale = nullptr;  // [in/group, out] (FP8: float32 [ceil(in/128), ceil(out/128)])
-  const int8_t* zero = nullptr;    // [in/group, out] asymmetric int only
-  float scale2 = 1.0f;             // NVFP4's per-tensor multiplier
-  int n_in = 0, n_out = 0, group = 1, scale_cols = 0;
-};
-
-// Per-thread scratch buffers, grown on demand.
-struct Scratch {
-  std::vector<float> buf[5];
-  float* get(int i, size_t n) {
-    if (buf[i].size() < n) buf[i].resize(n);
-    return buf[i].data();
-  }
-};
-static Scratch& scratch() {
-  static thread_local Scratch s;
-  return s;
-}
-
-#include "lora.inc"
-
-struct Kernels {
-  void (*gate_up)(const Job&, int u, int chunk);
-  void (*down)(const Job&, int u, int chunk);
-  void (*combine)(const Job&, int t0, int t1);
-};
-
-#include "act8.inc"
-
-// Everything one call's work items read; built by the calling thread before the parallel phases.
-struct Job {
-  int fmt = 0, T = 0, K = 0, H = 0, I = 0, E = 0;
-  int group = 1, fields_per_proj = 0;
-  bool per_expert = true;
-  Activation act;
-  std::vector<const uint8_t*> field_ptr;  // [field * E + e]
-  const float* gate_up_bias = nullptr;    // [E, 2I] or null
-  const float* down_bias = nullptr;       // [E, H] or null
-  const float* scale2 = nullptr;          // [3, E] (NVFP4)
-  // Routing, built in phase 0.
-  std::vector<int> union_ids, pair_start;  // [U], [U + 1]
-  std::vector<const float*> pair_x, pair_h;  // [P] the input row of each (expert, row) pair, its h row
-  std::vector<int> slot_pair;              // [T * K] the pair of each slot, -1: contributes 0
-  const float* slot_weight = nullptr;      // [T * K]
-  int chunk_gu = 0, chunk_down = 0;
-  float* h = nullptr;    // [P, I]
-  float* y = nullptr;    // [P, H]
-  float* out = nullptr;  // [T, H]
-  LoRAJob* lora = nullptr;  // the adapters of the call (lora.inc), or null
-  Act8Job* act8 = nullptr;  // the int8 inputs of a call with int8 activations (act8.inc), or null
-
-  const uint8_t* field(int f, int e) const { return field_ptr[static_cast<size_t>(f) * E + e]; }
-
-  // Projection p (0 gate, 1 up, 2 down) of expert e in an [in, out] format.
-  InOut inout(int p, int e) const {
-    InOut w;
-    const bool down = p == 2;
-    w.n_in = down ? I : H;
-    w.n_out = down ? H : I;
-    if (fmt <= kDenseF16) {
-      w.q = field(p, e);
-      w.group = w.n_in;
-      return w;
-    }
-    const int f = p * fields_per_proj;
-    w.q = field(f, e);
-    w.scale = field(f + 1, e);
-    if (fmt == kInt8 || fmt == kInt4) {
-      w.group = group > 0 ? group : w.n_in;
-      if (fields_per_proj == 3) w.zero = reinterpret_cast<const int8_t*>(field(f + 2, e));
-    } else if (fmt == kFp8) {
-      w.group = 128;
-      w.scale_cols = (w.n_out + 127) / 128;
-    } else {
-      w.group = fmt == kMxfp4 ? 32 : 16;
-      if (fmt == kNvfp4) w.scale2 = scale2[static_cast<size_t>(p) * E + e];
-    }
-    return w;
-  }
-};
-
-namespace generic {
-#include "vec_generic.inc"
-#include "lora_kernels.inc"
-#include "kernels.inc"
-#define MOE_ACT8_AVX2 0
-#include "act8_kernels.inc"
-#undef MOE_ACT8_AVX2
-}  // namespace generic
-
-#if MOE_X86
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
-namespace avx2 {
-#include "vec_avx2.inc"
-#include "lora_kernels.inc"
-#include "kernels.inc"
-#define MOE_ACT8_AVX2 1
-#include "act8_kernels.inc"
-#undef MOE_ACT8_AVX2
-}  // namespace avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
-#endif
-
 // The kernels of the chosen ISA (set at load; set_isa switches them between calls, for tests).
-static std::atomic<const Kernels*> g_kernels{generic::kTable};
+static std::atomic<const Kernels*> g_kernels{generic::tables().kernels};
 static std::atomic<const char*> g_isa{"generic"};
 
 // Picks the variant for this CPU; MOEJAX_NATIVE_ISA=generic forces the portable one (tests).
@@ -236,7 +37,7 @@ static void select_isa() {
 #if MOE_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-    g_kernels = avx2::kTable;
+    g_kernels = avx2::tables().kernels;
     g_isa = "avx2";
   }
 #endif
@@ -394,17 +195,17 @@ static void set_chunks(Job& job, int threads) {
 // The LoRA phase items of the chosen ISA (lora_kernels.inc).
 static const LoRAKernels& lora_kernels() {
 #if MOE_X86
-  if (g_kernels.load(std::memory_order_relaxed) == avx2::kTable) return avx2::kLoRA;
+  if (g_kernels.load(std::memory_order_relaxed) == avx2::tables().kernels) return *avx2::tables().lora;
 #endif
-  return generic::kLoRA;
+  return *generic::tables().lora;
 }
 
 // The int8-activation phase items of the chosen ISA (act8_kernels.inc).
 static const Act8Kernels& act8_kernels() {
 #if MOE_X86
-  if (g_kernels.load(std::memory_order_relaxed) == avx2::kTable) return avx2::kAct8;
+  if (g_kernels.load(std::memory_order_relaxed) == avx2::tables().kernels) return *avx2::tables().act8;
 #endif
-  return generic::kAct8;
+  return *generic::tables().act8;
 }
 
 // The routed experts of one call (MoeExpertsCall), with the adapters of `lora` when it is not null.
@@ -696,10 +497,10 @@ static PyObject* set_isa(PyObject*, PyObject* arg) {
   const char* name = PyUnicode_AsUTF8(arg);
   if (!name) return nullptr;
   if (std::string(name) == "generic") {
-    moe::g_kernels = moe::generic::kTable;
+    moe::g_kernels = moe::generic::tables().kernels;
     moe::g_isa = "generic";
   } else if (std::string(name) == "best") {
-    moe::g_kernels = moe::generic::kTable;
+    moe::g_kernels = moe::generic::tables().kernels;
     moe::g_isa = "generic";
     moe::select_isa();
   } else {
