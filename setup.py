@@ -16,7 +16,7 @@ from setuptools.command.build_ext import build_ext
 
 class ParallelBuildExt(build_ext):
     """build_ext compiling an extension's sources side by side, one per core (setuptools compiles them one after
-    the other): the two kernel variants (moe_generic.cc, moe_avx2.cc) are most of it."""
+    the other): the kernel variants (moe_generic.cc, moe_avx2.cc, moe_avx512.cc) are most of it."""
 
     def build_extension(self, ext):
         original = self.compiler.compile
@@ -58,6 +58,7 @@ def _native_extensions() -> list[Extension]:
                 "csrc/moe_cpu.cc",
                 "csrc/moe_generic.cc",
                 "csrc/moe_avx2.cc",
+                "csrc/moe_avx512.cc",
                 "csrc/linear_cpu.cc",
                 "csrc/scores_cpu.cc",
             ],
@@ -70,7 +71,9 @@ def _native_extensions() -> list[Extension]:
                 "csrc/kernels_inout.inc",
                 "csrc/kernels_outin.inc",
                 "csrc/vec_avx2.inc",
+                "csrc/vec_avx512.inc",
                 "csrc/vec_generic.inc",
+                "csrc/target.h",
                 "csrc/linear_kernel.inc",
                 "csrc/lora.inc",
                 "csrc/lora_kernels.inc",

@@ -187,20 +187,23 @@ void kb_free(void* m) { delete static_cast<kb::Model*>(m); }
 double kb_expert_bytes(void* m) { return static_cast<double>(static_cast<kb::Model*>(m)->expert_bytes); }
 
 // Min and median seconds of `reps` calls of T rows, each row choosing K random distinct experts (the same K and the
-// same x for every row when same_rows != 0). phases: bit 0 gate/up, bit 1 down, bit 2 combine; avx2: 1 the AVX2
-// kernels, 0 the portable ones.
-double kb_run(void* mp, int T, int K, int threads, int reps, int phases, int avx2, int same_rows, double* out_min) {
+// same x for every row when same_rows != 0). phases: bit 0 gate/up, bit 1 down, bit 2 combine; isa: 2 the AVX-512
+// kernels (the AVX2 ones in a tree without them), 1 the AVX2 kernels, 0 the portable ones.
+double kb_run(void* mp, int T, int K, int threads, int reps, int phases, int isa, int same_rows, double* out_min) {
   using namespace moe;
   auto* m = static_cast<kb::Model*>(mp);
 #if __has_include("moe_job.h")  // the kernel variants in translation units of their own (built beside this one)
   const Kernels* table = generic::tables().kernels;
 #if MOE_X86
-  if (avx2) table = avx2::tables().kernels;
+  if (isa >= 1) table = avx2::tables().kernels;
+#if __has_include("vec_avx512.inc")
+  if (isa >= 2) table = avx512::tables().kernels;
+#endif
 #endif
 #else  // an older csrc tree: the variants inside moe_cpu.cc
   const Kernels* table = generic::kTable;
 #if MOE_X86
-  if (avx2) table = avx2::kTable;
+  if (isa >= 1) table = avx2::kTable;
 #endif
 #endif
   const Kernels& k = table[m->fmt];

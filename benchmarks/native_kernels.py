@@ -1,7 +1,7 @@
 """Kernel-only timing of the native routed-expert kernels (benchmarks/native_kernels.cc): no XLA, no router.
 
     python benchmarks/native_kernels.py [--csrc csrc [--csrc /tmp/old/csrc ...]] [--formats int8 int4 ...]
-        [--threads 1 2] [--rounds 6] [--reps 5] [-E 48] [-T 1] [--cpu-time] [--phases 7] [--read]
+        [--threads 1 2] [--rounds 6] [--reps 5] [-E 48] [-T 1] [--cpu-time] [--phases 7] [--read] [--isa avx2 avx512]
 
 Compiles the harness once per csrc tree (g++, the package's flags; libraries cached under /tmp/moejax_kernels),
 builds one model per format (Qwen3-30B-A3B's experts: H=2048, I=768, E=48 by default: more bytes than the L3, so
@@ -28,6 +28,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "benchmarks" / "native_kernels.cc"
 FORMATS = {"float32": 3, "bf16": 4, "int8": 6, "int4": 7, "fp8": 8, "mxfp4": 9, "nvfp4": 10, "f32_inout": 0}
 K = 8
+ISAS = {"generic": 0, "avx2": 1, "avx512": 2}  # a tree without the AVX-512 variant runs its AVX2 one for avx512
+
+
+def best_isa() -> str:
+    """The widest variant this CPU runs (the flags moe_cpu.cc's select_isa checks)."""
+    flags = set(pathlib.Path("/proc/cpuinfo").read_text().split()) if pathlib.Path("/proc/cpuinfo").exists() else set()
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "generic"
 
 
 def build(csrc: pathlib.Path) -> ctypes.CDLL:
@@ -41,7 +50,8 @@ def build(csrc: pathlib.Path) -> ctypes.CDLL:
         cmd = ["g++", "-shared", "-fPIC", "-std=c++17", "-O3", "-g0", "-ffp-contract=off", "-fno-math-errno"]
         cmd += ["-isystem", str(ROOT / "csrc/third_party"), f"-I{csrc}", f"-I{include}", "-o", str(out)]
         cmd += [str(HARNESS), str(csrc / "linear_cpu.cc"), str(csrc / "scores_cpu.cc")]
-        cmd += [str(csrc / f) for f in ("moe_generic.cc", "moe_avx2.cc") if (csrc / f).exists()]  # newer trees
+        variants = ("moe_generic.cc", "moe_avx2.cc", "moe_avx512.cc")  # newer trees: translation units of their own
+        cmd += [str(csrc / f) for f in variants if (csrc / f).exists()]
         subprocess.run(cmd, check=True)
     lib = ctypes.CDLL(str(out))
     lib.kb_make.restype = ctypes.c_void_p
@@ -71,6 +81,7 @@ def main() -> None:
     parser.add_argument("--cpu-time", "--cpu", action="store_true", help="time CPU time, not the wall clock")
     parser.add_argument("--phases", type=int, default=7, help="bit 0 gate/up, bit 1 down, bit 2 combine")
     parser.add_argument("--read", action="store_true", help="also time the read ceiling")
+    parser.add_argument("--isa", nargs="+", default=[best_isa()], choices=list(ISAS), help="kernel variants")
     args = parser.parse_args()
     H, I = args.H, args.I
     trees = [pathlib.Path(c).resolve() for c in (args.csrc or [str(ROOT / "csrc")])]
@@ -79,23 +90,24 @@ def main() -> None:
         lib.kb_set_cpu_clock(int(args.cpu_time))
     first = next(iter(libs.values()))  # the Model type is the harness's own: one set of models serves every tree
     models = {f: first.kb_make(FORMATS[f], H, I, args.E, 128) for f in args.formats}
+    variants = {f"{isa} {tree}": (lib, ISAS[isa]) for tree, lib in libs.items() for isa in args.isa}
     best: dict[tuple[str, int, str], float] = {}
     for _ in range(args.rounds):
         for f in args.formats:
             for th in args.threads:
-                for name, lib in libs.items():
+                for name, (lib, isa) in variants.items():
                     mn = ctypes.c_double()
-                    lib.kb_run(models[f], args.T, K, th, args.reps, args.phases, 1, 0, ctypes.byref(mn))
+                    lib.kb_run(models[f], args.T, K, th, args.reps, args.phases, isa, 0, ctypes.byref(mn))
                     key = (f, th, name)
                     best[key] = min(best.get(key, 1e9), mn.value)
     macs = args.T * K * 3 * H * I
     shape = f"T={args.T}, K={K} of E={args.E}, H={H}, I={I}"
     print(f"{shape}; min over {args.rounds} x {args.reps} calls, phases {args.phases}")
-    print(f"{'format':10s} thr {'ms':>7s} {'GMAC/s/thr':>10s} {'GB/s/thr':>9s} {'/f32':>5s}  tree")
+    print(f"{'format':10s} thr {'ms':>7s} {'GMAC/s/thr':>10s} {'GB/s/thr':>9s} {'/f32':>5s}  isa tree")
     for f in args.formats:
         nbytes = min(args.T * K, args.E) * first.kb_expert_bytes(models[f])  # about: each union expert once
         for th in args.threads:
-            for name in libs:
+            for name in variants:
                 s = best[f, th, name]
                 ref = best.get(("float32", th, name))
                 ratio = f"{s / ref:5.2f}" if ref else "    -"

@@ -38,6 +38,7 @@
 #define LINEAR_X86 0
 #endif
 
+#include "target.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -70,21 +71,12 @@ namespace generic {
 }  // namespace generic
 
 #if LINEAR_X86
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
+MOE_TARGET_PUSH("avx2,fma,f16c")
 namespace avx2 {
 #include "vec_avx2.inc"
 #include "linear_kernel.inc"
 }  // namespace avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+MOE_TARGET_POP()
 #endif
 
 // The kernel per weight type of the best variant for this CPU (MOEJAX_NATIVE_ISA=generic: the portable one).

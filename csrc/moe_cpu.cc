@@ -16,9 +16,10 @@
 // int8 activations for 4-bit weights (an explicit option, attribute act_group > 0): act8.inc, act8_kernels.inc
 // (their items replace 1. and 2., after a phase that quantizes each pair's input; same order guarantees).
 //
-// ISA: kernels.inc is compiled twice, as moe::avx2 (moe_avx2.cc, `#pragma GCC target("avx2,fma,f16c")`) and
-// moe::generic (moe_generic.cc, baseline flags, any CPU); the variant is chosen once at load with
-// __builtin_cpu_supports. The types the three files share: moe_job.h.
+// ISA: kernels.inc is compiled three times, as moe::avx512 (moe_avx512.cc: F, BW, DQ, VL), moe::avx2 (moe_avx2.cc:
+// AVX2, FMA, F16C) and moe::generic (moe_generic.cc, baseline flags, any CPU); the best variant the CPU runs is
+// chosen once at load with __builtin_cpu_supports (MOEJAX_NATIVE_ISA=avx2 or generic caps it). The variants give
+// the same bits (kernels.inc's order; vec_avx512.inc). The types the four files share: moe_job.h.
 
 #include <Python.h>
 
@@ -26,21 +27,41 @@
 
 namespace moe {
 
-// The kernels of the chosen ISA (set at load; set_isa switches them between calls, for tests).
-static std::atomic<const Kernels*> g_kernels{generic::tables().kernels};
+// The tables of the chosen ISA and its name (set at load; set_isa switches them between calls, for tests).
+static std::atomic<const IsaTables*> g_tables{&generic::tables()};
 static std::atomic<const char*> g_isa{"generic"};
 
-// Picks the variant for this CPU; MOEJAX_NATIVE_ISA=generic forces the portable one (tests).
-static void select_isa() {
-  const char* want = std::getenv("MOEJAX_NATIVE_ISA");
-  if (want && std::string(want) == "generic") return;
+// The best variant this CPU runs, up to `cap` ("avx512", "avx2" or "generic"; MOEJAX_NATIVE_ISA, when set, lowers
+// the cap: tests). Returns false for an unknown cap.
+static bool select_isa(std::string cap) {
+  static const char* const kOrder[] = {"generic", "avx2", "avx512"};
+  auto rank = [](const std::string& name) {
+    for (int i = 0; i < 3; ++i)
+      if (name == kOrder[i]) return i;
+    return -1;
+  };
+  int limit = rank(cap);
+  if (limit < 0) return false;
+  if (const char* want = std::getenv("MOEJAX_NATIVE_ISA"); want && rank(want) >= 0) limit = std::min(limit, rank(want));
+  const IsaTables* t = &generic::tables();
+  const char* name = "generic";
 #if MOE_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-    g_kernels = avx2::tables().kernels;
-    g_isa = "avx2";
+  const bool has_avx2 =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  if (limit >= 2 && has_avx512) {
+    t = &avx512::tables();
+    name = "avx512";
+  } else if (limit >= 1 && has_avx2) {
+    t = &avx2::tables();
+    name = "avx2";
   }
 #endif
+  g_tables = t;
+  g_isa = name;
+  return true;
 }
 
 // -- threads ----------------------------------------------------------------------------------------------
@@ -193,20 +214,10 @@ static void set_chunks(Job& job, int threads) {
 }
 
 // The LoRA phase items of the chosen ISA (lora_kernels.inc).
-static const LoRAKernels& lora_kernels() {
-#if MOE_X86
-  if (g_kernels.load(std::memory_order_relaxed) == avx2::tables().kernels) return *avx2::tables().lora;
-#endif
-  return *generic::tables().lora;
-}
+static const LoRAKernels& lora_kernels() { return *g_tables.load(std::memory_order_relaxed)->lora; }
 
 // The int8-activation phase items of the chosen ISA (act8_kernels.inc).
-static const Act8Kernels& act8_kernels() {
-#if MOE_X86
-  if (g_kernels.load(std::memory_order_relaxed) == avx2::tables().kernels) return *avx2::tables().act8;
-#endif
-  return *generic::tables().act8;
-}
+static const Act8Kernels& act8_kernels() { return *g_tables.load(std::memory_order_relaxed)->act8; }
 
 // The routed experts of one call (MoeExpertsCall), with the adapters of `lora` when it is not null.
 static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
@@ -291,7 +302,7 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
     act8.h.prepare(P, job.I, static_cast<int>(act_group));
   }
 
-  const Kernels& k = job.act8 ? act8_kernels().items : g_kernels.load(std::memory_order_relaxed)[job.fmt];
+  const Kernels& k = job.act8 ? act8_kernels().items : g_tables.load(std::memory_order_relaxed)->kernels[job.fmt];
   const int U = static_cast<int>(job.union_ids.size());
   const int mt = static_cast<int>(max_threads);
   const int n_gu = (job.I + job.chunk_gu - 1) / job.chunk_gu;
@@ -491,20 +502,13 @@ static PyObject* registrations(PyObject*, PyObject*) {
 
 static PyObject* isa(PyObject*, PyObject*) { return PyUnicode_FromString(moe::g_isa.load()); }
 
-// set_isa("generic" | "best"): the portable kernels or the best for this CPU, for calls that start afterwards
-// (tests compare the variants in one process).
+// set_isa("generic" | "avx2" | "avx512" | "best"): the best kernels this CPU runs up to that variant, for calls
+// that start afterwards (tests compare the variants in one process).
 static PyObject* set_isa(PyObject*, PyObject* arg) {
   const char* name = PyUnicode_AsUTF8(arg);
   if (!name) return nullptr;
-  if (std::string(name) == "generic") {
-    moe::g_kernels = moe::generic::tables().kernels;
-    moe::g_isa = "generic";
-  } else if (std::string(name) == "best") {
-    moe::g_kernels = moe::generic::tables().kernels;
-    moe::g_isa = "generic";
-    moe::select_isa();
-  } else {
-    PyErr_SetString(PyExc_ValueError, "set_isa: expected 'generic' or 'best'");
+  if (!moe::select_isa(std::string(name) == "best" ? "avx512" : name)) {
+    PyErr_SetString(PyExc_ValueError, "set_isa: expected 'generic', 'avx2', 'avx512' or 'best'");
     return nullptr;
   }
   return PyUnicode_FromString(moe::g_isa.load());
@@ -512,8 +516,8 @@ static PyObject* set_isa(PyObject*, PyObject* arg) {
 
 static PyMethodDef kMethods[] = {
     {"registrations", registrations, METH_NOARGS, "{target name: PyCapsule of its XLA FFI handler}"},
-    {"isa", isa, METH_NOARGS, "the instruction set of the kernels chosen at load ('avx2' or 'generic')"},
-    {"set_isa", set_isa, METH_O, "set_isa('generic' | 'best') -> the instruction set now used"},
+    {"isa", isa, METH_NOARGS, "the instruction set of the kernels in use ('avx512', 'avx2' or 'generic')"},
+    {"set_isa", set_isa, METH_O, "set_isa('generic' | 'avx2' | 'avx512' | 'best') -> the instruction set now used"},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -521,6 +525,6 @@ static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_cpu", "moejax's na
                               kMethods};
 
 PyMODINIT_FUNC PyInit__native_cpu(void) {
-  moe::select_isa();
+  moe::select_isa("avx512");
   return PyModule_Create(&kModule);
 }

@@ -1,7 +1,7 @@
-// What moe_cpu.cc (the FFI handlers) and the per-ISA kernel files (moe_generic.cc, moe_avx2.cc) share: the
-// formats, the activation, the weights' views, the scratch buffers, the adapters' and int8 inputs' state and the
-// Job one call's work items read, and the per-ISA tables. Three translation units, so the two kernel variants
-// compile side by side (setup.py): together they were one ~55 s compile.
+// What moe_cpu.cc (the FFI handlers) and the per-ISA kernel files (moe_generic.cc, moe_avx2.cc, moe_avx512.cc)
+// share: the formats, the activation, the weights' views, the scratch buffers, the adapters' and int8 inputs'
+// state and the Job one call's work items read, and the per-ISA tables. Separate translation units, so the kernel
+// variants compile side by side (setup.py): the first two together were one ~55 s compile.
 #pragma once
 
 #include <algorithm>
@@ -191,6 +191,9 @@ const IsaTables& tables();  // moe_generic.cc
 namespace avx2 {
 const IsaTables& tables();  // moe_avx2.cc
 }  // namespace avx2
+namespace avx512 {
+const IsaTables& tables();  // moe_avx512.cc
+}  // namespace avx512
 #endif
 
 }  // namespace moe

@@ -257,13 +257,14 @@ def test_the_default_keeps_its_names():
 
 
 @built
-@pytest.mark.skipif(native.isa() != "avx2", reason="the hashes were taken on x86-64 with AVX2")
+@pytest.mark.skipif(native.isa() not in ("avx2", "avx512"), reason="the hashes were taken on x86-64 with AVX2")
 @pytest.mark.parametrize("name", ["int4_g6_sym", "mxfp4", "nvfp4"])
 def test_the_option_off_gives_todays_bits(name):
+    """The AVX-512 variant (where the CPU has it) gives the AVX2 variant's pinned bits."""
     try:
-        for isa in ("avx2", "generic"):
-            _isa("best" if isa == "avx2" else "generic")
-            assert _golden(name) == GOLDEN[(isa, name)], isa
+        for isa in ("avx512", "avx2", "generic"):
+            if _isa(isa) == isa:
+                assert _golden(name) == GOLDEN[("generic" if isa == "generic" else "avx2", name)], isa
     finally:
         _isa("best")
 

@@ -4,6 +4,7 @@ neighbours and thread counts, input errors raised in Python, the portable C++ va
 extension is absent."""
 
 import functools
+import pathlib
 import sys
 
 import jax
@@ -384,6 +385,79 @@ def test_portable_variant_matches_oracle(generic_isa):
         x, s = _x(4, 19), _slots(4, 2, 5, 0)
         for experts in (d, _fused_per_expert(d)):
             _assert_close(native.routed_experts(experts, x, s, act), _oracle(d, x, s, act), f"generic {dtype}")
+
+
+def _has_avx512() -> bool:
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    return {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= set(flags)
+
+
+@built
+def test_set_isa_caps_the_variant_and_rejects_unknown_names():
+    module = native._module()
+    try:
+        assert module.set_isa("generic") == "generic" == native.isa()
+        assert module.set_isa("avx2") in ("avx2", "generic")
+        assert module.set_isa("avx512") in ("avx512", "avx2", "generic")
+        with pytest.raises(ValueError, match="set_isa: expected"):
+            module.set_isa("avx1024")
+    finally:
+        module.set_isa("best")
+    assert native.isa() == ("avx512" if _has_avx512() else native.isa())
+
+
+def _every_code(experts, seed=0):
+    """`experts` with uniformly random code bytes (every int8 / int4 / e2m1 code, a quantizer may never write
+    some: symmetric int4's -8); FP8's NaN codes replaced by 0x01."""
+    rng = np.random.default_rng(seed)
+    fields = {}
+    for name, v in experts.fields().items():
+        if name.endswith("_q"):
+            b = rng.integers(0, 256, v.shape, dtype=np.uint8)
+            if v.dtype == jnp.float8_e4m3fn:
+                b = np.where(b & 0x7F == 0x7F, 0x01, b).astype(np.uint8)
+            v = jnp.asarray(b).view(v.dtype)
+        fields[name] = v
+    return type(experts)(**fields)
+
+
+@built
+@pytest.mark.skipif(not _has_avx512(), reason="this CPU has no AVX-512 (F, BW, DQ, VL)")
+@pytest.mark.parametrize("fmt", [*QUANTIZED, "int4_g32_asym_odd", "float32_in_out", "bfloat16_in_out", "fused"])
+def test_avx512_variant_equals_the_avx2_variant_bit_for_bit(fmt):
+    """The AVX-512 kernels decode and multiply 16 columns per instruction in the [in, out] kernels (lanes are
+    columns, each lane the AVX2 variant's chain): every format, decode (one row: the wide path) and a batch
+    (the many-row kernels), equal to the AVX2 variant's bits and close to the oracle. Sizes with odd vector
+    counts where the format allows them (a last 8-column vector after the 16-column ones)."""
+    E, K = 5, 2
+    if fmt in ("float32_in_out", "bfloat16_in_out", "fused"):
+        H, I = 601, 299
+        experts = _dense(E, H, I, "bfloat16" if fmt == "bfloat16_in_out" else "float32")
+        experts = _fused_per_expert(experts) if fmt == "fused" else experts
+        reference = _unfuse(experts) if fmt == "fused" else experts
+    else:
+        H, I = (600, 328) if fmt in ("fp8_block", "int8_channel_asym") else (608, 352)
+        if fmt == "int4_g32_asym_odd":
+            experts = Q.quantize_experts(_dense(E, H, I), Q.format_by_name("int4", group_size=32, symmetric=False))
+        else:
+            experts = _quantized(fmt, E=E, H=H, I=I)
+        experts = _every_code(experts)
+        reference = experts
+    act = ACTIVATIONS["silu"]
+    module = native._module()
+    run = jax.jit(lambda x, s: native.routed_experts(experts, x, s, act))
+    for T, seed in ((1, 3), (1, 4), (6, 5)):
+        x, slots = _x(T, H, seed), _slots(T, K, E, seed, skipped=False)
+        got = {}
+        try:
+            for isa in ("avx2", "avx512"):
+                assert module.set_isa(isa) == isa
+                got[isa] = np.asarray(run(x, slots))
+        finally:
+            module.set_isa("best")
+        np.testing.assert_array_equal(got["avx512"], got["avx2"], err_msg=f"{fmt} T={T}")
+        _assert_close(got["avx512"], _oracle(reference, x, slots, act), f"{fmt} T={T}")
 
 
 def test_without_the_extension_auto_runs_the_cpu_plans(monkeypatch):

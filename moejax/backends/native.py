@@ -103,7 +103,7 @@ def on_cpu(run, fallback, *operands) -> Array:
 
 
 def isa() -> str | None:
-    """The instruction set the kernels were chosen for at load ('avx2', 'generic'), None when not available."""
+    """The instruction set of the kernels in use ('avx512', 'avx2', 'generic'), None when not available."""
     module = _module()
     return None if module is None else module.isa()
 

@@ -1,0 +1,34 @@
+// The AVX-512 (F, BW, DQ, VL) variant of the routed-expert kernels, in its own translation unit (see moe_job.h):
+// kernels.inc over vec_avx512.inc, whose 16-lane W lets the [in, out] kernels decode and multiply two vectors'
+// columns per instruction (the same chains as the AVX2 variant's, the same bits). Chosen at load where the CPU
+// has all four extensions.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+// GCC 12's _mm512_undefined_* self-initialize (`__m512 __Y = __Y`), so every AVX-512 conversion inlined here
+// warns "may be used uninitialized" (GCC bug 105593, fixed in 13): no value is ever read uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include "moe_job.h"
+#include "target.h"
+
+namespace moe {
+#if MOE_X86
+MOE_TARGET_PUSH("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")
+namespace avx512 {
+#include "vec_avx512.inc"
+#include "lora_kernels.inc"
+#include "kernels.inc"
+#define MOE_ACT8_AVX2 1
+#include "act8_kernels.inc"
+#undef MOE_ACT8_AVX2
+#undef MOE_WIDE
+}  // namespace avx512
+MOE_TARGET_POP()
+
+namespace avx512 {
+const IsaTables& tables() {  // outside the target region: callable on any CPU
+  static const IsaTables t{kTable, &kLoRA, &kAct8};
+  return t;
+}
+}  // namespace avx512
+#endif
+}  // namespace moe
