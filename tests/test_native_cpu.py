@@ -426,10 +426,12 @@ def _every_code(experts, seed=0):
 @pytest.mark.skipif(not _has_avx512(), reason="this CPU has no AVX-512 (F, BW, DQ, VL)")
 @pytest.mark.parametrize("fmt", [*QUANTIZED, "int4_g32_asym_odd", "float32_in_out", "bfloat16_in_out", "fused"])
 def test_avx512_variant_equals_the_avx2_variant_bit_for_bit(fmt):
-    """The AVX-512 kernels decode and multiply 16 columns per instruction in the [in, out] kernels (lanes are
-    columns, each lane the AVX2 variant's chain): every format, decode (one row: the wide path) and a batch
-    (the many-row kernels), equal to the AVX2 variant's bits and close to the oracle. Sizes with odd vector
-    counts where the format allows them (a last 8-column vector after the 16-column ones)."""
+    """The AVX-512 kernels take 16 lanes per instruction: in the [in, out] one-row kernel 16 columns (lanes are
+    columns, each lane the AVX2 variant's chain), in the many-row [out, in] kernel two outputs' 8-lane chains side
+    by side. Every format, decode (one row), a small batch and a prefill (T=40: 16 rows per expert, the packed
+    tiles, odd output counts 299 and 601 in the dense ones), equal to the AVX2 variant's bits and close to the
+    oracle. Sizes with odd vector counts where the format allows them (a last 8-column vector after the 16-column
+    ones)."""
     E, K = 5, 2
     if fmt in ("float32_in_out", "bfloat16_in_out", "fused"):
         H, I = 601, 299
@@ -447,7 +449,7 @@ def test_avx512_variant_equals_the_avx2_variant_bit_for_bit(fmt):
     act = ACTIVATIONS["silu"]
     module = native._module()
     run = jax.jit(lambda x, s: native.routed_experts(experts, x, s, act))
-    for T, seed in ((1, 3), (1, 4), (6, 5)):
+    for T, seed in ((1, 3), (1, 4), (6, 5), (40, 6)):
         x, slots = _x(T, H, seed), _slots(T, K, E, seed, skipped=False)
         got = {}
         try:
