@@ -42,7 +42,8 @@ static bool select_isa(std::string cap) {
   };
   int limit = rank(cap);
   if (limit < 0) return false;
-  if (const char* want = std::getenv("MOEJAX_NATIVE_ISA"); want && rank(want) >= 0) limit = std::min(limit, rank(want));
+  const char* want = std::getenv("MOEJAX_NATIVE_ISA");
+  if (want && rank(want) >= 0) limit = std::min(limit, rank(want));
   const IsaTables* t = &generic::tables();
   const char* name = "generic";
 #if MOE_X86
