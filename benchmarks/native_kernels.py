@@ -2,6 +2,7 @@
 
     python benchmarks/native_kernels.py [--csrc csrc [--csrc /tmp/old/csrc ...]] [--formats int8 int4 ...]
         [--threads 1 2] [--rounds 6] [--reps 5] [-E 48] [-T 1] [--cpu-time] [--phases 7] [--read] [--isa avx2 avx512]
+        [--prefetch-f32 auto|on|off]
 
 Compiles the harness once per csrc tree (g++, the package's flags; libraries cached under /tmp/moejax_kernels),
 builds one model per format (Qwen3-30B-A3B's experts: H=2048, I=768, E=48 by default: more bytes than the L3, so
@@ -62,6 +63,7 @@ def build(csrc: pathlib.Path) -> ctypes.CDLL:
     lib.kb_run.restype = ctypes.c_double
     lib.kb_run.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 7 + [ctypes.POINTER(ctypes.c_double)]
     lib.kb_set_cpu_clock.argtypes = [ctypes.c_int]
+    lib.kb_set_prefetch_f32.argtypes = [ctypes.c_int]
     lib.kb_read.restype = ctypes.c_double
     lib.kb_read.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
     return lib
@@ -82,12 +84,16 @@ def main() -> None:
     parser.add_argument("--phases", type=int, default=7, help="bit 0 gate/up, bit 1 down, bit 2 combine")
     parser.add_argument("--read", action="store_true", help="also time the read ceiling")
     parser.add_argument("--isa", nargs="+", default=[best_isa()], choices=list(ISAS), help="kernel variants")
+    parser.add_argument(
+        "--prefetch-f32", default="auto", choices=["auto", "on", "off"], help="float32 software prefetch (moe_job.h)"
+    )
     args = parser.parse_args()
     H, I = args.H, args.I
     trees = [pathlib.Path(c).resolve() for c in (args.csrc or [str(ROOT / "csrc")])]
     libs = {str(t): build(t) for t in trees}
     for lib in libs.values():
         lib.kb_set_cpu_clock(int(args.cpu_time))
+        lib.kb_set_prefetch_f32({"auto": -1, "on": 1, "off": 0}[args.prefetch_f32])
     first = next(iter(libs.values()))  # the Model type is the harness's own: one set of models serves every tree
     models = {f: first.kb_make(FORMATS[f], H, I, args.E, 128) for f in args.formats}
     variants = {f"{isa} {tree}": (lib, ISAS[isa]) for tree, lib in libs.items() for isa in args.isa}

@@ -18,6 +18,10 @@ backend (the issue's decode targets), and the bytes of the routed experts relati
 dispatch of the call (which grows with the number of arrays in the params: 769 for a quantized per-expert layer of
 128 experts, 257 for float32's) is then paid once per N steps, not once per step.
 
+`--copies N` (default `auto`): each case holds N copies of the layer's weights and the timed calls take them in
+turn, so that a step reads its experts from memory as in a model of many layers, not from a large last-level cache
+that holds one layer of a quantized format (`auto`: enough copies for twice the L3 this CPU reports, at least 1).
+
 `--products`: the one-row product forms tried for the quantized decode, at the layer's gate|up shape `[H] x [H, 2I]`
 (16 different experts' weights per call, so reads do not come from L1/L2), against the dense bfloat16 dot the plan
 runs (2 rows) and float32's GEMV; rounds interleave the variants. "moejax" rows call the format's `reduce_project`.
@@ -26,6 +30,8 @@ runs (2 rows) and float32's GEMV; rounds interleave the variants. "moejax" rows 
 from __future__ import annotations
 
 import argparse
+import math
+import pathlib
 import time
 from typing import Any
 
@@ -49,6 +55,15 @@ FORMATS = {
     "mxfp4": (format_by_name("mxfp4"), jnp.bfloat16),
     "nvfp4": (format_by_name("nvfp4"), jnp.bfloat16),
 }
+
+
+def l3_bytes() -> int:
+    """The last-level cache this CPU reports (Linux sysfs), 0 when unknown."""
+    size = pathlib.Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
+    if not size.exists():
+        return 0
+    text = size.read_text().strip()
+    return int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
 
 
 def routed_bytes(params: moejax.MoEParams) -> int:
@@ -235,6 +250,7 @@ def main() -> None:
     parser.add_argument("--impls", nargs="+", default=["auto"], choices=moejax.backends.IMPLS, help="backends")
     parser.add_argument("--layout", default="per_expert", choices=["per_expert", "stacked"], help="expert layout")
     parser.add_argument("--steps", type=int, default=1, help="decode steps per jitted call (a lax.scan)")
+    parser.add_argument("--copies", default="auto", help="copies of the weights taken in turn (auto: 2x the L3)")
     parser.add_argument("--products", action="store_true", help="time one-row product variants instead")
     parser.add_argument("--torch-peer", action="store_true", help="time torch's weight-only int8/int4 kernels instead")
     args = parser.parse_args()
@@ -246,8 +262,10 @@ def main() -> None:
         time_torch_peer(cfg, args.rounds)
         return
     bf16_bytes = 3 * cfg.num_experts * cfg.hidden_size * cfg.intermediate_size * 2
-    print(f"{args.layer}: H={cfg.hidden_size} E={cfg.num_experts} K={cfg.top_k} I={cfg.intermediate_size}, T=1, "
-          f"{args.steps} step(s) per call, {args.layout} layout")  # fmt: skip
+    print(
+        f"{args.layer}: H={cfg.hidden_size} E={cfg.num_experts} K={cfg.top_k} I={cfg.intermediate_size}, T=1, "
+        f"{args.steps} step(s) per call, {args.layout} layout; L3 {l3_bytes() >> 20} MiB, copies {args.copies}"
+    )
 
     def steps(p, xs, impl):  # xs [steps, 1, H]: one decode step per token, in order
         return jax.lax.scan(lambda c, x: (c, moejax.moe_forward(p, x, cfg, impl=impl)), None, xs)[1]
@@ -258,25 +276,28 @@ def main() -> None:
     for name in args.formats:  # build and compile every case first
         fmt, dtype = FORMATS[name]
         params = moejax.init_params(cfg, jax.random.key(0), dtype, fmt=fmt, layout=args.layout)
+        nbytes = routed_bytes(params)
+        copies = max(1, math.ceil(2 * l3_bytes() / nbytes)) if args.copies == "auto" else int(args.copies)
+        held = [params] + [jax.tree.map(lambda a: a.copy(), params) for _ in range(copies - 1)]
         x_dtype = jnp.bfloat16 if name == "bfloat16" else jnp.float32  # quantized: float32 x, one-row products
         for impl in args.impls:
             step(params, xs[0].astype(x_dtype), impl).block_until_ready()
             ran = moejax.forward.chosen_impl(params, xs[0][0].astype(x_dtype), cfg, impl=impl)
-            cases[name, impl] = (params, x_dtype, routed_bytes(params) / bf16_bytes, ran, [])
-    for x in xs[1:]:  # interleaved rounds: a shared CPU's load falls on every format alike
-        for (_, impl), (params, x_dtype, _, _, times) in cases.items():
-            xt = x.astype(x_dtype)
+            cases[name, impl] = (held, x_dtype, nbytes / bf16_bytes, ran, [])
+    for n, x in enumerate(xs[1:]):  # interleaved rounds: a shared CPU's load falls on every format alike
+        for (_, impl), (held, x_dtype, _, _, times) in cases.items():
+            xt, params = x.astype(x_dtype), held[n % len(held)]
             t0 = time.perf_counter()
             step(params, xt, impl).block_until_ready()
             times.append((time.perf_counter() - t0) / args.steps)
     print(f"{'format':10s} {'backend':>10s} {'memory/bf16':>11s} {'x dtype':>8s} {'min ms':>8s} {'median ms':>9s} "
-          f"{'median/bf16':>11s} {'min/f32':>8s}")  # fmt: skip
-    for (name, impl), (_, x_dtype, mem, ran, times) in cases.items():
+          f"{'median/bf16':>11s} {'min/f32':>8s} {'copies':>6s}")  # fmt: skip
+    for (name, impl), (held, x_dtype, mem, ran, times) in cases.items():
         base, f32 = cases.get(("bfloat16", impl)), cases.get(("float32", impl))
         ratio = f"{np.median(times) / np.median(base[4]):11.2f}" if base else f"{'':11s}"
         ratio += f" {min(times) / min(f32[4]):8.2f}" if f32 else ""
         row = f"{name:10s} {ran:>10s} {mem:11.3f} {jnp.dtype(x_dtype).name:>8s} {min(times) * 1e3:8.2f}"
-        print(f"{row} {np.median(times) * 1e3:9.2f} {ratio}", flush=True)
+        print(f"{row} {np.median(times) * 1e3:9.2f} {ratio} {len(held):6d}", flush=True)
 
 
 if __name__ == "__main__":
