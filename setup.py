@@ -67,6 +67,7 @@ def _native_extensions() -> list[Extension]:
                 "csrc/moe_job.h",
                 "csrc/act8.inc",
                 "csrc/act8_kernels.inc",
+                "csrc/act8_group_avx2.inc",
                 "csrc/kernels.inc",
                 "csrc/kernels_inout.inc",
                 "csrc/kernels_outin.inc",

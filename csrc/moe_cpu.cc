@@ -528,5 +528,8 @@ static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_cpu", "moejax's na
 PyMODINIT_FUNC PyInit__native_cpu(void) {
   moe::select_isa("avx512");
   moe::g_soft_prefetch_f32 = moe::soft_prefetch_f32_default();
+#if MOE_X86
+  moe::g_act8_vnni = __builtin_cpu_supports("avx512vnni");
+#endif
   return PyModule_Create(&kModule);
 }

@@ -99,6 +99,9 @@ static inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 // 1.4-1.7x slower without theirs; on the AMD EPYC (Zen 3) the prefetch was measured a gain (0.8x the time). Set at
 // load (soft_prefetch_f32_default) and read by the kernels of every variant.
 inline bool g_soft_prefetch_f32 = true;
+// Whether the AVX-512 variant's int8-activation kernels use VNNI (vpdpbusd; the same sums): set at load where the
+// CPU has AVX-512 VNNI.
+inline bool g_act8_vnni = false;
 static inline bool soft_prefetch_f32_default() {
 #if MOE_X86
   __builtin_cpu_init();
