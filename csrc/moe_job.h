@@ -99,6 +99,8 @@ static inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 // 1.4-1.7x slower without theirs; on the AMD EPYC (Zen 3) the prefetch was measured a gain (0.8x the time). Set at
 // load (soft_prefetch_f32_default) and read by the kernels of every variant.
 inline bool g_soft_prefetch_f32 = true;
+// Whether a one-row kernel of weight format fmt prefetches its weight streams in software.
+static inline bool soft_prefetch(int fmt) { return fmt != kDenseF32 || g_soft_prefetch_f32; }
 // Whether the AVX-512 variant's int8-activation kernels use VNNI (vpdpbusd; the same sums): set at load where the
 // CPU has AVX-512 VNNI.
 inline bool g_act8_vnni = false;
