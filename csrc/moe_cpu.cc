@@ -23,6 +23,8 @@
 
 #include <Python.h>
 
+#include <mutex>
+
 #include "moe_job.h"
 
 namespace moe {
@@ -67,6 +69,52 @@ static bool select_isa(std::string cap) {
 
 // -- threads ----------------------------------------------------------------------------------------------
 #include "parallel.inc"
+
+// -- a call's intermediate buffers ---------------------------------------------------------------------------
+// A call's h [P, I] and y [P, H], reused across calls: fresh zeroed vectors cost every call their memset and, for a
+// prefill, the page faults of a new mapping (T=2048 of Qwen3-30B-A3B: 184 MB, ~5% of the call). Every entry is
+// written before it is read (gate/up writes h, down writes y, for every pair), so they are not cleared. A call
+// takes a set (a new one while all are taken by concurrent calls) and gives it back on return.
+struct CallBuffers {
+  std::vector<float> h, y;
+};
+
+class CallBufferLease {
+ public:
+  CallBufferLease() {
+    std::lock_guard<std::mutex> lock(mutex());
+    auto& idle = free_sets();
+    if (idle.empty()) {
+      set_ = std::make_unique<CallBuffers>();
+    } else {
+      set_ = std::move(idle.back());
+      idle.pop_back();
+    }
+  }
+  ~CallBufferLease() {
+    std::lock_guard<std::mutex> lock(mutex());
+    free_sets().push_back(std::move(set_));
+  }
+  CallBufferLease(const CallBufferLease&) = delete;
+  CallBufferLease& operator=(const CallBufferLease&) = delete;
+  float* h(size_t n) { return grown(set_->h, n); }
+  float* y(size_t n) { return grown(set_->y, n); }
+
+ private:
+  static float* grown(std::vector<float>& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+    return v.data();
+  }
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::vector<std::unique_ptr<CallBuffers>>& free_sets() {
+    static std::vector<std::unique_ptr<CallBuffers>> sets;
+    return sets;
+  }
+  std::unique_ptr<CallBuffers> set_;
+};
 
 // -- phase 0 -------------------------------------------------------------------------------------------------
 static uint64_t row_hash(const float* row, int H) {
@@ -289,9 +337,9 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
                 has_in_scale ? in_scale.typed_data() : nullptr, scaled);
   job.slot_weight = weight.typed_data();
   const size_t P = job.pair_x.size();
-  std::vector<float> h(P * job.I), y(P * job.H);
-  job.h = h.data();
-  job.y = y.data();
+  CallBufferLease buffers;
+  job.h = buffers.h(P * job.I);
+  job.y = buffers.y(P * job.H);
   job.out = out->typed_data();
   job.pair_h.resize(P);
   for (size_t p = 0; p < P; ++p) job.pair_h[p] = job.h + p * job.I;
