@@ -12,7 +12,10 @@
 
 namespace moe {
 #if MOE_X86
-MOE_TARGET_PUSH("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")
+// This region's target, named: act8_kernels.inc leaves it for its VNNI region and comes back (clang's target
+// pushes do not nest: an inner one does not add its features to the outer one's).
+#define MOE_AVX512_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl"
+MOE_TARGET_PUSH(MOE_AVX512_TARGET)
 namespace avx512 {
 #include "vec_avx512.inc"
 #include "lora_kernels.inc"

@@ -571,7 +571,7 @@ static PyMethodDef kMethods[] = {
 };
 
 static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_cpu", "moejax's native CPU kernels (XLA FFI)", -1,
-                              kMethods};
+                              kMethods, nullptr, nullptr, nullptr, nullptr};
 
 PyMODINIT_FUNC PyInit__native_cpu(void) {
   moe::select_isa("avx512");
