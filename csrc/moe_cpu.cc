@@ -74,7 +74,8 @@ static bool select_isa(std::string cap) {
 // A call's h [P, I] and y [P, H], reused across calls: fresh zeroed vectors cost every call their memset and, for a
 // prefill, the page faults of a new mapping (T=2048 of Qwen3-30B-A3B: 184 MB, ~5% of the call). Every entry is
 // written before it is read (gate/up writes h, down writes y, for every pair), so they are not cleared. A call
-// takes a set (a new one while all are taken by concurrent calls) and gives it back on return.
+// takes a set (a new one while all are taken by concurrent calls) and gives it back on return; a set keeps the
+// size of the largest call it served (as an allocator's cache would), for the life of the process.
 struct CallBuffers {
   std::vector<float> h, y;
 };
