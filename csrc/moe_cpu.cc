@@ -109,13 +109,14 @@ class CallBufferLease {
 #endif
     return v.data();
   }
+  // Never destroyed: a call still running while the process exits must not find them gone.
   static std::mutex& mutex() {
-    static std::mutex m;
-    return m;
+    static auto* m = new std::mutex;
+    return *m;
   }
   static std::vector<std::unique_ptr<CallBuffers>>& free_sets() {
-    static std::vector<std::unique_ptr<CallBuffers>> sets;
-    return sets;
+    static auto* sets = new std::vector<std::unique_ptr<CallBuffers>>;
+    return *sets;
   }
   std::unique_ptr<CallBuffers> set_;
 };
