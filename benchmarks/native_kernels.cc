@@ -186,9 +186,6 @@ void kb_free(void* m) { delete static_cast<kb::Model*>(m); }
 // Bytes of one expert's weights and scales.
 double kb_expert_bytes(void* m) { return static_cast<double>(static_cast<kb::Model*>(m)->expert_bytes); }
 
-// Min and median seconds of `reps` calls of T rows, each row choosing K random distinct experts (the same K and the
-// same x for every row when same_rows != 0). phases: bit 0 gate/up, bit 1 down, bit 2 combine; isa: 2 the AVX-512
-// kernels (the AVX2 ones in a tree without them), 1 the AVX2 kernels, 0 the portable ones.
 // The one-row kernels' software prefetch of float32 weights: 1 on, 0 off, -1 as the package chooses at load (a
 // no-op for a tree without the switch).
 void kb_set_prefetch_f32(int on) {
@@ -199,6 +196,9 @@ void kb_set_prefetch_f32(int on) {
 #endif
 }
 
+// Min and median seconds of `reps` calls of T rows, each row choosing K random distinct experts (the same K and the
+// same x for every row when same_rows != 0). phases: bit 0 gate/up, bit 1 down, bit 2 combine; isa: 2 the AVX-512
+// kernels (the AVX2 ones in a tree without them), 1 the AVX2 kernels, 0 the portable ones.
 double kb_run(void* mp, int T, int K, int threads, int reps, int phases, int isa, int same_rows, double* out_min) {
   using namespace moe;
   auto* m = static_cast<kb::Model*>(mp);
