@@ -235,7 +235,7 @@ static int chunk_width(int fmt) {
 // never change a value's bits (each column's chain is the same in any chunk).
 //  * Dense [out, in] weights with many rows per union expert (prefill: on average >= 8): the widest items
 //    (multiples of 16 outputs, up to a whole projection) that still give every thread >= 8 items: the kernel packs
-//    an item's input rows once (from memory at large T: a cost per item) and prefetches each next 16-output tile
+//    an item's input rows once (from memory at large T: a cost per item) and prefetches each next tile
 //    inside it (a tile that comes cold from memory costs about as much as computing it).
 //  * Decode ([in, out] weights, every union expert one row, float32 activations): the widest chunks (multiples of
 //    64 columns) that still give every thread two items per phase, so the one-row kernel (inout_row1) reads whole
@@ -285,7 +285,8 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
   Job job;
   job.lora = lora;
   const auto xd = x.dimensions(), id = idx.dimensions();
-  if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0]) return ffi::Error::InvalidArgument("moejax native: x [T, H], indices [T, K]");
+  if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0])
+    return ffi::Error::InvalidArgument("moejax native: x [T, H], indices [T, K]");
   if (fmt < 0 || fmt >= kNumFormats) return ffi::Error::InvalidArgument("moejax native: unknown format");
   job.fmt = static_cast<int>(fmt);
   job.T = static_cast<int>(xd[0]);

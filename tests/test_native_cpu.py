@@ -189,15 +189,15 @@ def test_prefill_many_rows_matches_oracle():
 @built
 def test_long_inputs_and_partial_strips_match_oracle():
     """Segments split at kBlockIn (per-channel int8 over 288 inputs), 75 = 64 + 11 output columns (a partial strip
-    and vector) and the prefill kernel's K blocks (300 inputs: 256 + 40 + a tail of 4) against the oracle; rows
-    alone (few-row kernel) bit-identical to the same rows in a batch (K-blocked kernel)."""
+    and vector) and the prefill kernel's K blocks (556 inputs: 512 + 40 or 256 + 256 + 40, a tail of 4) against the
+    oracle; rows alone (few-row kernel) bit-identical to the same rows in a batch (K-blocked kernel)."""
     T, K, E = 24, 2, 3
     act = ACTIVATIONS["silu"]
     int8 = Q.format_by_name("int8", group_size=None, symmetric=False)
     cases = {
         "int8_channel_asym": (Q.quantize_experts(_dense(E, 288, 75, bias=True), int8), 288),
-        "float32_per_expert": (_fused_per_expert(_dense(E, 300, 21)), 300),
-        "bfloat16_per_expert": (_fused_per_expert(_dense(E, 300, 21, "bfloat16")), 300),
+        "float32_per_expert": (_fused_per_expert(_dense(E, 556, 21)), 556),
+        "bfloat16_per_expert": (_fused_per_expert(_dense(E, 556, 21, "bfloat16")), 556),
     }
     run = jax.jit(lambda e, x, s: native.routed_experts(e, x, s, act))
     for name, (experts, H) in cases.items():
@@ -211,15 +211,18 @@ def test_long_inputs_and_partial_strips_match_oracle():
 
 
 @built
+@pytest.mark.parametrize("isa", ["best", "avx2"])
 @pytest.mark.parametrize("dtype", DENSE)
-@pytest.mark.parametrize("H, I", [(300, 40), (264, 41)])
-def test_prefill_row_blocks_and_tiles_match_rows_alone_bit_for_bit(dtype, H, I):
-    """The many-row [out, in] kernel (packed tiles of 16 outputs, register blocks of 6 rows, items of several
-    tiles on one thread): expert e holds 7 + e rows (row blocks 6 + 1..5 and 6 + 6). H=300: K blocks 256 + 40 and a
-    tail of 4 (the chains end after the last block), I=40: tiles 16 + 16 + 8 (they end in the last block's tile
-    calls); H=264: K blocks 256 + 8, no tail, I=41: gate and up tiles 16 + 16 + 9 (an odd tile: a half pair on
-    AVX-512), down's inputs a tail of 1. Every row equals the row alone (the few-row kernel) bit for bit, on one
-    thread (wide items) and on all, and the oracle."""
+@pytest.mark.parametrize("H, I", [(556, 40), (520, 41)])
+def test_prefill_row_blocks_and_tiles_match_rows_alone_bit_for_bit(dtype, H, I, isa):
+    """The many-row [out, in] kernel (packed tiles, register blocks of 6 rows, items of several tiles on one
+    thread): expert e holds 7 + e rows (row blocks 6 + 1..5 and 6 + 6). Its AVX-512 form (K blocks of 512, tiles of
+    8 outputs) and its 8-lane form (K blocks of 256, tiles of 16; `isa="avx2"`, the portable one where the CPU has
+    no AVX2). H=556: K blocks 512 + 40 (256 + 256 + 40) and a tail of 4 (the chains end after the last block),
+    I=40: tiles 8 x 5 (16 + 16 + 8), ending in the last block's tile calls; H=520: K blocks 512 + 8 (256 + 256 + 8),
+    no tail, I=41: gate and up tiles 8 x 5 + 1 (16 + 16 + 9): an odd tile, a half pair on AVX-512; down's inputs a
+    tail of 1, its last tile of 556 outputs 4. Every row equals the row alone (the few-row kernel) bit for bit, on
+    one thread (wide items) and on all, and the oracle."""
     E = 6
     dense = _dense(E, H, I, dtype)
     experts = _fused_per_expert(dense)
@@ -228,12 +231,22 @@ def test_prefill_row_blocks_and_tiles_match_rows_alone_bit_for_bit(dtype, H, I):
     slots = Slots(jnp.asarray(ids[:, None]), jnp.ones((ids.size, 1), jnp.float32))
     x = _x(ids.size, H, 13)
     run = jax.jit(lambda x, s, n: native.routed_experts(experts, x, s, act, max_threads=n), static_argnums=2)
-    got = {n: np.asarray(run(x, slots, n)) for n in (1, 0)}
+    module = native._module()
+    try:
+        module.set_isa(isa)
+        got = {n: np.asarray(run(x, slots, n)) for n in (1, 0)}
+        alone = [
+            np.asarray(run(x[t : t + 1], Slots(slots.indices[t : t + 1], slots.out_weight[t : t + 1]), 1))[0]
+            for t in range(ids.size)
+        ]
+    finally:
+        module.set_isa("best")
     _assert_close(got[0], _oracle(dense, x, slots, act), dtype)
     for t in range(ids.size):
-        alone = np.asarray(run(x[t : t + 1], Slots(slots.indices[t : t + 1], slots.out_weight[t : t + 1]), 1))[0]
         for n in (1, 0):
-            np.testing.assert_array_equal(got[n][t], alone, err_msg=f"{dtype}: row {t} (expert {ids[t]}), {n} threads")
+            np.testing.assert_array_equal(
+                got[n][t], alone[t], err_msg=f"{dtype}: row {t} (expert {ids[t]}), {n} threads"
+            )
 
 
 @built
