@@ -229,6 +229,7 @@ def route(
     matmul: Callable[[Array, Array], Array] | None = None,
     scores: Callable[[str, Array], Array] | None = None,
     lora_delta: Callable[[LoRAPair, Array, Array], Array] | None = None,
+    indices: Array | None = None,
 ) -> Routing:
     """Route tokens `x [T, H]` (or `[..., H]`, flattened) to `cfg.top_k` experts each.
 
@@ -244,6 +245,9 @@ def route(
         (`scores_from_logits`); None: `xla_scores`.
       lora_delta: computes the adapters' deltas `lora_delta(lora, x, adapter) -> [T, N]` (`router_logits`);
         None: `moejax.lora.pair_delta`.
+      indices: `[T, K]` integer expert ids to use instead of the router's selection (routing replay that keeps
+        the router learning: the weights are the router's scores of these ids, computed as for its own
+        selection, so they are differentiable w.r.t. the router). Ids outside [0, N) get weight 0.
     Returns:
       `Routing` with `indices [T, K] int32`, `weights [T, K] float32`, `logits [T, N] float32`, and
       `zero_weight [T]` when the config has zero-computation experts.
@@ -259,14 +263,24 @@ def route(
     logits = router_logits(router, x, cfg, lora, adapter, matmul=matmul, lora_delta=lora_delta)
     scores = xla_scores if scores is None else scores
     K = cfg.top_k
+    given = indices is not None
+    if given:
+        indices = indices.reshape(-1, K)
+        valid = (indices >= 0) & (indices < cfg.num_selectable)
+        indices = jnp.where(valid, indices, 0).astype(jnp.int32)  # gathered at a valid id, weight zeroed below
     if cfg.score_order is ScoreOrder.AFTER_TOPK:
-        selected_logits, indices = jax.lax.top_k(logits, K)
+        if given:
+            selected_logits = jnp.where(valid, jnp.take_along_axis(logits, indices, axis=-1), -jnp.inf)
+        else:
+            selected_logits, indices = jax.lax.top_k(logits, K)
         # gpt-oss: softmax over the k selected logits; Llama-4: sigmoid of each. Float32, rounded below.
         kind = "softmax" if cfg.scoring is Scoring.SOFTMAX else "sigmoid"
         weights = scores(kind, selected_logits)
     else:
         probs = scores_from_logits(logits, cfg.scoring, policy_dtype(cfg.score_dtype, x), scores)  # [T, N]
-        if cfg.hash_routing:
+        if given:
+            pass
+        elif cfg.hash_routing:
             indices = hash_indices(router.tid2eid, token_ids.reshape(-1), cfg)
         else:
             selection = probs
@@ -276,6 +290,8 @@ def route(
                 selection = limit_to_groups(selection, cfg.n_group, cfg.topk_group)
             _, indices = jax.lax.top_k(selection, K)
         weights = jnp.take_along_axis(probs, indices, axis=-1)
+        if given:
+            weights = jnp.where(valid, weights, 0.0)
         if cfg.normalize:
             weights = weights / (row_sum(weights) + cfg.norm_epsilon)
     if cfg.scaling_target is ScalingTarget.WEIGHTS and cfg.routed_scaling_factor != 1.0:
@@ -284,7 +300,11 @@ def route(
         weights = weights * router.per_expert_scale.astype(jnp.float32)[indices]
     weights = round_to(weights, policy_dtype(cfg.weights_dtype, x))
     indices = indices.astype(jnp.int32)
+    if given:  # an invalid id: weight 0 (also after the AFTER_TOPK scores), and an id every backend skips
+        weights = jnp.where(valid, weights, 0.0)
+        indices = jnp.where(valid, indices, cfg.num_selectable)
     zero_weight = None
     if cfg.num_zero_experts:
-        zero_weight = row_sum(jnp.where(indices >= cfg.num_experts, weights, 0.0))[:, 0]
+        zero = (indices >= cfg.num_experts) & (indices < cfg.num_selectable)
+        zero_weight = row_sum(jnp.where(zero, weights, 0.0))[:, 0]
     return Routing(indices=indices, weights=weights, logits=logits, zero_weight=zero_weight)

@@ -16,10 +16,12 @@ the XLA plans. Kernels, ragged and native are chosen while lowering (`pallas_ker
 the platform and devices the program is compiled for, never the host's default backend). When all candidates
 fail, one error lists each one's reason.
 
-Gradients: `run_routed` wraps every backend but the reference in a `jax.custom_vjp` whose backward is the VJP of
-`reference_routed` (the plans' loops with device trip counts are not reverse-differentiable): gradients w.r.t.
-x, the slots' weights and scales and the experts (adapters of a wrapper included) are the reference's, at the
-reference's cost. Forward-mode (`jax.jvp`) of the plans is not defined.
+Gradients: `run_routed` wraps every backend but the reference and ragged in a `jax.custom_vjp` whose backward is
+`moejax.backends.backward.routed_vjp`, a grouped backward over the routed (row, expert) pairs only (the plans'
+loops with device trip counts are not reverse-differentiable, and the kernels have no transpose): gradients w.r.t.
+x, the slots' weights and scales and the experts (adapters of a wrapper included) equal the reference's up to
+float32 summation order, at a cost proportional to T·K. The reference and ragged (`jax.lax.ragged_dot`'s own
+transpose) are differentiated as they are. Forward-mode (`jax.jvp`) of the plans is not defined.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ import functools
 from collections.abc import Callable, Sequence
 
 import jax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero, custom_vjp_primal_tree_values
 
 import pallas_kernels
 from moejax.backends import native, pallas, ragged
+from moejax.backends.backward import routed_vjp
 from moejax.backends.cpu import cpu_decode, cpu_grouped
 from moejax.backends.reference import reference_routed
 from moejax.backends.xla import decode_fits, decode_plan, grouped_plan
@@ -175,28 +179,34 @@ def run_routed(
 ) -> Array:
     """The routed sum `[T, H]` float32 by the first candidate of `impl` that serves the call.
 
-    Every backend but the reference runs under `jax.custom_vjp` with the reference's backward (see the module
-    docstring). Adapters come wrapped with the experts (`moejax.lora.adapt`), their rows' ids in `slots.adapter`.
+    Every backend but the reference and ragged runs under `jax.custom_vjp` with the grouped backward over the
+    routed pairs (see the module docstring). Adapters come wrapped with the experts (`moejax.lora.adapt`), their
+    rows' ids in `slots.adapter`.
 
     Raises:
       NotImplementedError: no candidate serves it (the message lists each one's reason).
     """
     names = _names(impl, experts, slots)
-    if names == ["reference"]:
+    if names in (["reference"], ["ragged"]):  # both differentiate themselves (ragged_dot has its own transpose)
         return _dispatch(impl, names, experts, x, slots, act, block_rows)
+    perturbed = []  # the fwd rule's flags of what is differentiated, read by the bwd rule (static)
 
     @jax.custom_vjp
     def routed(experts, x, slots):
         return _dispatch(impl, names, experts, x, slots, act, block_rows)
 
     def routed_fwd(experts, x, slots):
-        return routed(experts, x, slots), (experts, x, slots)
+        is_primal = lambda leaf: isinstance(leaf, CustomVJPPrimal)
+        perturbed.append(jax.tree.map(lambda p: p.perturbed, (experts, x, slots), is_leaf=is_primal))
+        values = custom_vjp_primal_tree_values((experts, x, slots))
+        return _dispatch(impl, names, *values, act, block_rows), values
 
     def routed_bwd(residuals, cotangent):
-        reference = lambda experts, x, slots: reference_routed(experts, x, slots, act)
-        return jax.vjp(reference, *residuals)[1](cotangent)
+        if isinstance(cotangent, SymbolicZero):
+            return None, None, None
+        return routed_vjp(*residuals, act, cotangent, perturbed[-1], block_rows=block_rows)
 
-    routed.defvjp(routed_fwd, routed_bwd)
+    routed.defvjp(routed_fwd, routed_bwd, symbolic_zeros=True)
     return routed(experts, x, slots)
 
 

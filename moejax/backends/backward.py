@@ -1,0 +1,284 @@
+"""The backward of the routed experts over the routed (row, expert) pairs only: the VJP of every backend that does
+not differentiate itself (`moejax.backends.run_routed`).
+
+Its cost is proportional to the routed pairs (T·K rows through one expert each) plus one read of each used expert's
+weights, never to the number of experts; its memory is the gradient outputs plus one expert's float32 weights and
+one block's activations (the forward's activations are recomputed, block by block: no residual but the inputs).
+
+1. Stable argsort of the T·K pairs by expert id, as the grouped plan (`moejax.backends.xla`); ids outside [0, E)
+   (zero experts, experts on another device) sort last and are never visited.
+2. `fori_loop` over the experts that have pairs (a device count): the expert's weights once, in the reference's
+   float32 view (`reference.dequantized`: codes dequantized, bf16 widened), then its pairs in blocks of B rows:
+   the block's forward and its VJP (`jax.vjp` of the expert's `ffn`, so every activation, bias, adapter and int8
+   input of the reference is differentiated as the reference does) give
+   - the input rows' gradient, times the slot's input scale, added into its token's row of `dx`;
+   - the expert's float32 weight gradient, summed over its blocks in block order, and its adapters' gradients;
+   - the slot's output-weight gradient `<g_t, y_tk>` and input-scale gradient `<dx_tk, x_t>`.
+3. After its last block the expert's weight gradient is pulled back through the dequantization (scales of a
+   quantized format; codes are not differentiable) and added at the expert's index (XLA updates in place).
+
+Only what is differentiated is computed (the `perturbed` flags of `jax.custom_vjp`'s symbolic zeros): with the
+base weights frozen (adapters trained) no base weight gradient is formed. Pair order is fixed by the sort and the
+loops run in order, so the gradients are the same run to run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.backends.xla import grouped_block_rows
+from moejax.experts import Slots
+from moejax.lora import LoRAExpert, LoRAExperts
+from moejax.quantized import QuantizedExperts
+from moejax.quantized.activations import Int8Inputs
+from moejax.weights import ExpertWeights, FusedExpertWeights, PerExpert
+from pallas_kernels.activations import GatedActivation
+
+Array = jax.Array
+
+
+def _is_float(leaf: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+
+
+def _split(tree: Any) -> tuple[list, list, Callable[[list], Any]]:
+    """`tree`'s float leaves, its other leaves, and `join(floats)` that rebuilds it with new float leaves."""
+    leaves, treedef = jax.tree.flatten(tree)
+    is_float = [_is_float(leaf) for leaf in leaves]
+    floats = [leaf for leaf, f in zip(leaves, is_float, strict=True) if f]
+
+    def join(new_floats: list) -> Any:
+        it = iter(new_floats)
+        return treedef.unflatten([next(it) if f else leaf for leaf, f in zip(leaves, is_float, strict=True)])
+
+    return floats, [leaf for leaf, f in zip(leaves, is_float, strict=True) if not f], join
+
+
+def _cotangent(tree: Any, floats: list | None) -> Any:
+    """`tree`'s cotangent: the float leaves from `floats` (None: zeros), float0 zeros for the others."""
+    leaves, treedef = jax.tree.flatten(tree)
+    it = iter(floats or [])
+    out = []
+    for leaf in leaves:
+        if not _is_float(leaf):
+            out.append(np.zeros(jnp.shape(leaf), jax.dtypes.float0))
+        elif floats is None:
+            out.append(jnp.zeros(jnp.shape(leaf), jnp.result_type(leaf)))
+        else:
+            out.append(next(it).astype(jnp.result_type(leaf)))
+    return treedef.unflatten(out)
+
+
+# -- the views: expert e of any layout, and where its gradient goes --------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stacked:
+    """Experts whose `expert(e)` takes a traced e (stacked formats, a stack's expert adapters). The gradient is
+    kept in their own structure; adding expert e's is the transpose of `expert(e)` (an update at e)."""
+
+    experts: Any
+    perturbed: bool
+
+    def take(self, e: Array) -> Any:
+        return self.experts.expert(e)
+
+    def zeros(self) -> list:
+        return [jnp.zeros(jnp.shape(w), jnp.float32) for w in _split(self.experts)[0]]
+
+    def add(self, acc: list, e: Array, d_one: list) -> list:
+        floats, _, join = _split(self.experts)
+        take = lambda fs: _split(join(fs).expert(e))[0]
+        d_all = jax.vjp(take, floats)[1](d_one)[0]
+        return [a + d for a, d in zip(acc, d_all, strict=True)]
+
+    def cotangent(self, acc: list | None) -> Any:
+        return _cotangent(self.experts, acc)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+    """The per-expert layout: expert e by a switch over the parts (each its own buffer, never stacked); the
+    gradient is kept expert-major (`[E, ...]` per leaf of a part) and split into the parts at the end."""
+
+    experts: PerExpert
+    perturbed: bool
+
+    def take(self, e: Array) -> Any:
+        branches = [lambda i=i: self.experts.parts[i] for i in range(self.experts.num_experts)]
+        return jax.lax.switch(e, branches)
+
+    def zeros(self) -> list:
+        E = self.experts.num_experts
+        return [jnp.zeros((E, *jnp.shape(w)), jnp.float32) for w in _split(self.experts.parts[0])[0]]
+
+    def add(self, acc: list, e: Array, d_one: list) -> list:
+        return [jax.lax.dynamic_update_index_in_dim(a, a[e] + d, e, 0) for a, d in zip(acc, d_one, strict=True)]
+
+    def cotangent(self, acc: list | None) -> Any:
+        parts = self.experts.parts
+        per_part = [None if acc is None else [a[i] for a in acc] for i in range(len(parts))]
+        return PerExpert(tuple(_cotangent(p, d) for p, d in zip(parts, per_part, strict=True)), self.experts.fmt)
+
+
+def _view(experts: Any, perturbed: Any) -> tuple[Any, Any | None]:
+    """The base view and (adapters) the adapters' view of `experts`; `perturbed`: its flags, same structure."""
+    any_of = lambda tree: any(jax.tree.leaves(tree))
+    if isinstance(experts, LoRAExperts):
+        base, _ = _view(experts.base, perturbed.base)
+        return base, _Stacked(experts.lora, any_of(perturbed.lora))
+    if isinstance(experts, PerExpert):
+        return _Parts(experts, any_of(perturbed)), None
+    return _Stacked(experts, any_of(perturbed)), None
+
+
+def _float32_view(one: Any) -> tuple[Any, int | None]:
+    """One expert's weights as the reference computes with them, float32, and for int8 activations their group
+    (else None). Float32 dense weights are used as they are stored (the per-expert layout's fused `[out, in]`
+    matrices are XLA:CPU's fastest products, and no copy is made); others are dequantized to `ExpertWeights`."""
+    if isinstance(one, ExpertWeights | FusedExpertWeights) and one.dtype == jnp.float32:
+        return one, None
+    scheme = getattr(one, "scheme", None) if isinstance(one, QuantizedExperts) else None
+    return one.dequantize(), None if scheme is None or scheme.activations != "int8" else scheme.activation_group
+
+
+def _expert(dense: Any, group: int | None, lora: Any) -> Any:
+    base = dense if group is None else Int8Inputs(dense, group)
+    return base if lora is None else LoRAExpert(base, lora)
+
+
+# -- the backward ---------------------------------------------------------------------------------------------
+
+
+def routed_vjp(
+    experts: Any,
+    x: Array,
+    slots: Slots,
+    act: GatedActivation,
+    cotangent: Array,
+    perturbed: tuple[Any, Any, Any],
+    *,
+    block_rows: int | None = None,
+) -> tuple[Any, Array | None, Slots | None]:
+    """Cotangents of `(experts, x, slots)` for the routed sum's cotangent `[T, H]` (module docstring).
+
+    `perturbed`: `(experts, x, slots)`-shaped flags saying which inputs are differentiated; the others get None
+    (zeros). `block_rows`: rows of a block (default `grouped_block_rows`).
+    """
+    p_experts, p_x, p_slots = perturbed
+    want_x = bool(p_x)
+    want_out = bool(p_slots.out_weight)
+    want_scale = slots.in_scale is not None and bool(p_slots.in_scale)
+    base, adapters = _view(experts, p_experts)
+    want_base = base.perturbed
+    want_lora = adapters is not None and adapters.perturbed
+    if not (want_x or want_out or want_scale or want_base or want_lora):
+        return None, None, None
+
+    T, K = slots.indices.shape
+    E, H, M = experts.num_experts, x.shape[-1], T * K
+    B = block_rows or grouped_block_rows(M, E)
+    ids = slots.indices.reshape(-1)
+    expert_of_pair = jnp.where((ids >= 0) & (ids < E), ids, E).astype(jnp.int32)  # [M]; skipped -> E
+    order = jnp.argsort(expert_of_pair, stable=True)  # [M] the pair at each sorted row
+    counts = jnp.bincount(expert_of_pair, length=E + 1)[:E]  # [E]
+    first_row = jnp.cumsum(counts) - counts  # [E]
+    active = jnp.nonzero(counts > 0, size=E, fill_value=0)[0]  # [E] experts with pairs first
+    pad = lambda a: jnp.concatenate([a, jnp.zeros((B, *a.shape[1:]), a.dtype)])  # B spare rows past M
+    token = pad(order // K)  # [M + B]
+    out_weight = pad(slots.out_weight.reshape(-1).astype(jnp.float32)[order])  # [M + B]
+    in_scale = None if slots.in_scale is None else pad(slots.in_scale.reshape(-1).astype(jnp.float32)[order])
+    row_ids = experts.row_ids(slots)
+    x32 = x.astype(jnp.float32)
+    g = cotangent.astype(jnp.float32)
+
+    def one_expert(u: Array, carry: dict) -> dict:
+        e = active[u]
+        one = base.take(e)
+        floats, _, join = _split(one)
+        dense, group = _float32_view(one)
+        if want_base:
+            dense, pull_back = jax.vjp(lambda fs: _float32_view(join(fs))[0], floats)
+        lora = adapters.take(e) if adapters is not None else None
+        start, end = first_row[e], first_row[e] + counts[e]
+
+        def one_block(j: Array, inner: dict) -> dict:
+            r0 = start + j * B
+            rows = r0 + jnp.arange(B)
+            live = rows < end  # [B]; rows past the expert's pairs are padding
+            tok = jax.lax.dynamic_slice_in_dim(token, r0, B)  # [B]
+            xb = x32[tok]  # [B, H]
+            scale = None if in_scale is None else jax.lax.dynamic_slice_in_dim(in_scale, r0, B)
+            x_in = xb if scale is None else xb * scale[:, None]
+            extra = () if row_ids is None else (row_ids[tok],)
+            args = {"x": x_in, "dense": dense, "lora": lora}
+            diff = [k for k, want in (("x", True), ("dense", want_base), ("lora", want_lora)) if want]
+
+            def ffn(*values):
+                a = args | dict(zip(diff, values, strict=True))
+                return _expert(a["dense"], group, a["lora"]).ffn(a["x"], act, *extra)
+
+            yb, vjp_fn = jax.vjp(ffn, *(args[k] for k in diff))  # [B, H]
+            gb = g[tok]  # [B, H]
+            w = jax.lax.dynamic_slice_in_dim(out_weight, r0, B)
+            grads = dict(zip(diff, vjp_fn(jnp.where(live[:, None], w[:, None] * gb, 0.0)), strict=True))
+            out = dict(inner)
+            if want_out:
+                out["out_weight"] = _masked_update(inner["out_weight"], jnp.sum(gb * yb, -1), live, r0)
+            dx_in = jnp.where(live[:, None], grads["x"], 0.0)  # [B, H]
+            if want_scale:
+                out["in_scale"] = _masked_update(inner["in_scale"], jnp.sum(dx_in * xb, -1), live, r0)
+            if want_x:
+                out["x"] = inner["x"].at[tok].add(dx_in if scale is None else dx_in * scale[:, None])
+            if want_base:
+                out["dense"] = jax.tree.map(jnp.add, inner["dense"], grads["dense"])
+            if want_lora:
+                out["lora"] = adapters.add(inner["lora"], e, _split(grads["lora"])[0])
+            return out
+
+        inner = {k: v for k, v in carry.items() if k != "base"}
+        if want_base:
+            inner["dense"] = jax.tree.map(jnp.zeros_like, dense)
+        inner = jax.lax.fori_loop(0, -(-counts[e] // B), one_block, inner)
+        out = {k: v for k, v in inner.items() if k != "dense"}
+        if want_base:
+            out["base"] = base.add(carry["base"], e, pull_back(inner["dense"])[0])
+        return out
+
+    carry: dict = {}
+    if want_x:
+        carry["x"] = jnp.zeros((T, H), jnp.float32)
+    if want_out:
+        carry["out_weight"] = jnp.zeros(M + B, jnp.float32)
+    if want_scale:
+        carry["in_scale"] = jnp.zeros(M + B, jnp.float32)
+    if want_base:
+        carry["base"] = base.zeros()
+    if want_lora:
+        carry["lora"] = adapters.zeros()
+    carry = jax.lax.fori_loop(0, jnp.sum(counts > 0), one_expert, carry)
+
+    unsort = lambda sorted_rows: jnp.zeros(M, jnp.float32).at[order].set(sorted_rows[:M]).reshape(T, K)
+    d_base = base.cotangent(carry.get("base"))
+    d_experts = d_base if adapters is None else LoRAExperts(d_base, adapters.cotangent(carry.get("lora")))
+    d_x = carry["x"].astype(x.dtype) if want_x else None
+    d_in_scale = unsort(carry["in_scale"]).astype(slots.in_scale.dtype) if want_scale else None
+    d_slots = Slots(
+        np.zeros(slots.indices.shape, jax.dtypes.float0),
+        unsort(carry["out_weight"]).astype(slots.out_weight.dtype) if want_out else None,
+        d_in_scale,
+        None if slots.adapter is None else np.zeros(slots.adapter.shape, jax.dtypes.float0),
+    )
+    return d_experts, d_x, d_slots
+
+
+def _masked_update(buffer: Array, values: Array, live: Array, start: Array) -> Array:
+    """`buffer[start:start + B] = values` on the live rows only (the padding rows belong to the next expert)."""
+    old = jax.lax.dynamic_slice_in_dim(buffer, start, values.shape[0])
+    return jax.lax.dynamic_update_slice_in_dim(buffer, jnp.where(live, values, old), start, 0)
