@@ -112,6 +112,6 @@ def test_design_md_names_every_module_once():
         if path.suffix in {".py", ".cc", ".h", ".inc"}
         and "third_party" not in path.parts  # the vendored XLA FFI headers
         and path.name != "__init__.py"
-        and path.name not in design
+        and not re.search(rf"(?<![\w.]){re.escape(path.name)}", design)  # decode.py is not tpu_decode.py
     ]
     assert not missing, f"DESIGN.md's module tree lacks {missing}"
