@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import sys
 from pathlib import Path
 
@@ -179,7 +180,7 @@ def write(benchmark: str, results: list[dict], path=None, notes: str | None = No
     """Write one run's results file: to `path`, or to benchmarks/results/<benchmark>_<date>_<time>.json."""
     now = datetime.datetime.now()
     run = {"benchmark": benchmark, "machine": machine(), "date": now.date().isoformat()}
-    run |= {"command": " ".join(["python", *sys.argv]), **({"notes": notes} if notes else {}), "results": results}
+    run |= {"command": shlex.join(["python", *sys.argv]), **({"notes": notes} if notes else {}), "results": results}
     check(run, benchmark)
     path = Path(path) if path else RESULTS / f"{benchmark}_{now:%Y-%m-%d_%H%M%S}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
