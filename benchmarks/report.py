@@ -30,7 +30,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 PAGE = HERE / "RESULTS.md"
-MAX_ROWS = 8  # a longer table shows its first rows and points to its file: the page stays short
+MAX_LINES = 250  # the page stays short: a long table shows its first rows (8, fewer if need be) and links its file
+ROW_LIMITS = (8, 6, 5, 4, 3)
 REQUIRED = ("benchmark", "machine", "date", "command", "results")
 MACHINE = ("cpu", "isa", "cores")
 # The page's order; a benchmark not listed here follows, by name.
@@ -131,15 +132,24 @@ def cell(value) -> str:
     return str(value).replace("|", "\\|")
 
 
-def table(rows: list[dict]) -> list[str]:
+def table(rows: list[dict], max_rows: int) -> list[str]:
     columns = list(dict.fromkeys(k for row in rows for k in row))
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows[:MAX_ROWS]:
+    for row in rows[:max_rows]:
         lines.append("| " + " | ".join(cell(row.get(c)) for c in columns) + " |")
     return lines
 
 
 def render(runs: list[dict]) -> str:
+    """The page: the newest run per benchmark and machine, with as many rows per table as MAX_LINES allows."""
+    for max_rows in ROW_LIMITS:
+        page = render_with(runs, max_rows)
+        if page.count("\n") <= MAX_LINES:
+            break
+    return page
+
+
+def render_with(runs: list[dict], max_rows: int) -> str:
     lines = HEADER.split("\n")
     benchmark = None
     for run in current(runs):
@@ -147,13 +157,13 @@ def render(runs: list[dict]) -> str:
             benchmark = run["benchmark"]
             lines.append(f"## {TITLES.get(benchmark, benchmark)}")
         m, rows, file = run["machine"], run["results"], run["file"]
-        shown = f"the first {MAX_ROWS} of {len(rows)} rows" if len(rows) > MAX_ROWS else "all rows"
+        shown = f"the first {max_rows} of {len(rows)} rows" if len(rows) > max_rows else "all rows"
         notes = f" {run['notes']}" if run.get("notes") else ""
         lines.append(
             f"**{m['cpu']}** (isa `{m['isa']}`, {m['cores']} cores), {run['date']}: `{run['command']}`.{notes} "
             f"Below, {shown} of [its data](results/{file})."
         )
-        lines += ["", *table(rows), ""]
+        lines += ["", *table(rows, max_rows), ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

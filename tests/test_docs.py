@@ -52,6 +52,20 @@ def test_report_shows_the_newest_run_per_benchmark_and_machine(report, tmp_path)
     assert "9.5" not in page
 
 
+def test_report_shows_fewer_rows_rather_than_a_longer_page(report, tmp_path):
+    machine = {"cpu": "a cpu", "isa": "avx2", "cores": 2}
+    for b in range(24):
+        run = {"benchmark": f"bench{b:02d}", "machine": machine, "date": "2026-01-01", "command": "python x.py",
+               "results": [{"case": i, "ms": i + 0.5} for i in range(10)]}  # fmt: skip
+        (tmp_path / f"b{b}.json").write_text(json.dumps(run))
+    page = report.render(report.load(tmp_path))
+    assert page.count("\n") <= report.MAX_LINES
+    shown = {int(n) for n in re.findall(r"the first (\d+) of 10 rows", page)}
+    assert len(shown) == 1 and max(shown) < 8, shown  # the default 8 rows would not fit: fewer, the same in every table
+    n = shown.pop()
+    assert f"| {n - 1} | {n - 0.5:g} |" in page and f"| {n} | {n + 0.5:g} |" not in page
+
+
 @pytest.mark.parametrize(
     "broken, message",
     [
