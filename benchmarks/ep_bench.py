@@ -23,8 +23,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import functools
-import json
-import platform
 import statistics
 import time
 
@@ -134,7 +132,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--json", nargs="?", const="", metavar="PATH", help="results file (default: results/)")
     args = parser.parse_args()
     rows = run(args)
     cfg_line = (
@@ -142,10 +140,10 @@ def main() -> None:
         f"{args.dtype}, {jax.device_count()} CPU devices (expert axis), bytes sent per device per step"
     )
     print(_table(rows, cfg_line))
-    if args.json:
-        meta = {"jax": jax.__version__, "platform": platform.platform(), "config": vars(args), "rows": rows}
-        with open(args.json, "w") as f:
-            json.dump(meta, f, indent=2)
+    if args.json is not None:
+        from report import write  # benchmarks/report.py: the results files' one schema
+
+        write("ep_bench", rows, args.json or None, notes=f"{cfg_line}; jax {jax.__version__}")
 
 
 if __name__ == "__main__":

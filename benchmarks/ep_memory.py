@@ -23,8 +23,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import functools
-import json
-import platform
 import statistics
 import time
 
@@ -113,7 +111,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--run", action="store_true", help="also run each program and time it")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--json", nargs="?", const="", metavar="PATH", help="results file (default: results/)")
     args = parser.parse_args()
     cfg = moejax.MoEConfig.preset(
         "deepseek_v3",
@@ -124,15 +122,16 @@ def main() -> None:
         shared_intermediate_size=args.intermediate,
     )
     rows = [measure(cfg, args.tokens, n, jnp.dtype(args.dtype), args.run) for n in DEVICES]
-    print(
+    cfg_line = (
         f"deepseek_v3 semantics, T={args.tokens} H={args.hidden} I={args.intermediate} E={args.experts} "
         f"K={args.top_k} {args.dtype}, mode=all_to_all, per device"
     )
+    print(cfg_line)
     print(_table(rows))
-    if args.json:
-        meta = {"jax": jax.__version__, "platform": platform.platform(), "config": vars(args), "rows": rows}
-        with open(args.json, "w") as f:
-            json.dump(meta, f, indent=2)
+    if args.json is not None:
+        from report import write  # benchmarks/report.py: the results files' one schema
+
+        write("ep_memory", rows, args.json or None, notes=f"{cfg_line}; jax {jax.__version__}")
 
 
 if __name__ == "__main__":

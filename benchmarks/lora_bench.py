@@ -22,8 +22,6 @@ instead of minutes).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 
 import jax
@@ -99,7 +97,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, nargs="*", default=[512])
     parser.add_argument("--repeats", type=int, default=20, help="timed rounds per case (decode)")
     parser.add_argument("--prefill-repeats", type=int, default=5, help="timed rounds per case (prefill)")
-    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--json", nargs="?", const="", metavar="PATH", help="results file (default: results/)")
     parser.add_argument("--targets", nargs="*", help="adapter targets to keep (LoRAParams.pairs names); default all")
     parser.add_argument("--num-experts", type=int, help="override E of the layer (profiling)")
     args = parser.parse_args()
@@ -134,18 +132,14 @@ def main() -> None:
             f"{r['ratio_cpu_min']:9.3f} {'ok' if r['met'] else 'MISS':>6s}",
             flush=True,
         )
-    if args.json:
-        meta = {
-            "layer": args.layer,
-            "num_experts": cfg.num_experts,
-            "rank": args.rank,
-            "adapters": args.adapters,
-            "targets": list(lora.pairs()),
-            "jax": jax.__version__,
-            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        }
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if args.json is not None:
+        from report import write  # benchmarks/report.py: the results files' one schema
+
+        notes = (
+            f"{args.layer} layer (E={cfg.num_experts}), {args.adapters} adapters of rank {args.rank} on "
+            f"{', '.join(lora.pairs())}; ratios LoRA / base step; jax {jax.__version__}"
+        )
+        write("lora_bench", rows, args.json or None, notes=notes)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import re
 import sys
@@ -260,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="*", help=f"labels (default all): {', '.join(CASES)}")
     parser.add_argument("--chips", nargs="+", default=list(CHIPS), choices=list(CHIPS))
-    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--json", nargs="?", const="", metavar="PATH", help="results file (default: results/)")
     parser.add_argument("--ep", nargs="+", default=[], help=f"EP cases over 4 chips: {', '.join(EP_CASES)}")
     parser.add_argument("--fused", action="store_true", help="pallas cases: the routed experts on the fused kernel")
     args = parser.parse_args(argv)
@@ -312,8 +311,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{100 * row['hbm_fraction']:6.1f} {row['tpu_custom_calls']:9d}  {'; '.join(bad)}",
                 flush=True,
             )
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    if args.json is not None:
+        from report import write  # benchmarks/report.py: the results files' one schema
+
+        flat = [{k: "; ".join(map(str, v)) if isinstance(v, list | tuple) else v for k, v in r.items()} for r in rows]
+        write("tpu_compile", flat, args.json or None)
     return 1 if failed else 0
 
 

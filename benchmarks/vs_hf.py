@@ -38,9 +38,7 @@ import dataclasses
 import functools
 import gc
 import importlib
-import json
 import os
-import platform
 import sys
 import time
 import warnings
@@ -505,7 +503,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layer", default="qwen3-30b-a3b", choices=[n for n in HF_BLOCKS if n in MODEL_LAYERS])
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (the median counts)")
-    parser.add_argument("--json", metavar="PATH", help="also write every measurement to this JSON file")
+    parser.add_argument("--json", nargs="?", const="", metavar="PATH", help="results file (default: results/)")
     parser.add_argument(
         "--impl", default="auto", choices=moejax.backends.IMPLS, help="moejax's routed-expert backend (auto: the "
         "native CPU kernels when built, else the CPU plans); e.g. --impl cpu for the XLA plans",
@@ -556,21 +554,22 @@ def main(argv: list[str] | None = None) -> None:
     add_ceiling_shares(rows, ceilings)
     print_summary(ceilings)
     Table(backends).print(rows)
-    if args.json:
-        write_json(args, layer, backends, ceilings, checks, rows)
+    if args.json is not None:
+        write_json(args, layer, ceilings, checks, rows)
 
 
-def write_json(args, layer: Layer, backends, ceilings, checks, rows) -> None:
-    meta = {
-        "layer": layer.name, "cfg": {f.name: str(getattr(layer.cfg, f.name)) for f in dataclasses.fields(layer.cfg)},
-        "hf_block": layer.block, "transformers": transformers.__version__, "torch": torch.__version__,
-        "jax": jax.__version__, "torch_threads": args.torch_threads, "repeats": args.repeats, "quick": args.quick,
-        "backends": backends, "platform": platform.platform(), "processor": platform.processor(),
-        "cpus": os.cpu_count(), "load_average_end": load_average(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }  # fmt: skip
-    with open(args.json, "w") as f:
-        json.dump({"meta": meta, "ceilings": ceilings, "checks": checks, "rows": rows}, f, indent=2)
-    print(f"wrote {args.json}")
+def write_json(args, layer: Layer, ceilings, checks, rows) -> None:
+    from report import write  # benchmarks/report.py: the results files' one schema
+
+    flat = [{k: v for k, v in r.items() if k != "hf"} | {f"hf_{b}_ms": t["ms"] for b, t in r["hf"].items() if "ms" in t}
+            for r in rows]  # fmt: skip
+    notes = (
+        f"{layer.name} next to transformers {transformers.__version__}'s {layer.block} (torch {torch.__version__}, "
+        f"{args.torch_threads} threads), medians of {args.repeats} rounds, moejax impl={args.impl!r}; ceilings in the "
+        f"same run: GEMV read {ceilings['read_GBps']:.1f} GB/s, matmul {ceilings['matmul_GFLOPs']:.1f} GFLOP/s; "
+        f"outputs checked: " + ", ".join(f"{c['dtype']} {c['rel_err']:.1e}" for c in checks)
+    )
+    write("vs_hf", flat, args.json or None, notes=notes)
 
 
 if __name__ == "__main__":
