@@ -25,6 +25,7 @@ loops run in order, so the gradients are the same run to run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -81,18 +82,18 @@ def _cotangent(tree: Any, floats: list | None) -> Any:
 @dataclasses.dataclass(frozen=True)
 class _Stacked:
     """Experts whose `expert(e)` takes a traced e (stacked formats, a stack's expert adapters). The gradient is
-    kept in their own structure; adding expert e's is the transpose of `expert(e)` (an update at e)."""
+    kept in their own structure; adding expert e's is the transpose of `expert(e)` (XLA updates in place)."""
 
     experts: Any
     perturbed: bool
 
-    def take(self, e: Array) -> Any:
+    def take(self, e: Array | int) -> Any:
         return self.experts.expert(e)
 
     def zeros(self) -> list:
         return [jnp.zeros(jnp.shape(w), jnp.float32) for w in _split(self.experts)[0]]
 
-    def add(self, acc: list, e: Array, d_one: list) -> list:
+    def add(self, acc: list, e: Array | int, d_one: list) -> list:
         floats, _, join = _split(self.experts)
         take = lambda fs: _split(join(fs).expert(e))[0]
         d_all = jax.vjp(take, floats)[1](d_one)[0]
@@ -102,40 +103,13 @@ class _Stacked:
         return _cotangent(self.experts, acc)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Parts:
-    """The per-expert layout: expert e by a switch over the parts (each its own buffer, never stacked); the
-    gradient is kept expert-major (`[E, ...]` per leaf of a part) and split into the parts at the end."""
-
-    experts: PerExpert
-    perturbed: bool
-
-    def take(self, e: Array) -> Any:
-        branches = [lambda i=i: self.experts.parts[i] for i in range(self.experts.num_experts)]
-        return jax.lax.switch(e, branches)
-
-    def zeros(self) -> list:
-        E = self.experts.num_experts
-        return [jnp.zeros((E, *jnp.shape(w)), jnp.float32) for w in _split(self.experts.parts[0])[0]]
-
-    def add(self, acc: list, e: Array, d_one: list) -> list:
-        return [jax.lax.dynamic_update_index_in_dim(a, a[e] + d, e, 0) for a, d in zip(acc, d_one, strict=True)]
-
-    def cotangent(self, acc: list | None) -> Any:
-        parts = self.experts.parts
-        per_part = [None if acc is None else [a[i] for a in acc] for i in range(len(parts))]
-        return PerExpert(tuple(_cotangent(p, d) for p, d in zip(parts, per_part, strict=True)), self.experts.fmt)
-
-
-def _view(experts: Any, perturbed: Any) -> tuple[Any, Any | None]:
-    """The base view and (adapters) the adapters' view of `experts`; `perturbed`: its flags, same structure."""
+def _view(experts: Any, perturbed: Any) -> tuple[Any, _Stacked | None, bool]:
+    """The base experts (a stacked format or `PerExpert`), the adapters' view (or None), and whether the base is
+    differentiated; `perturbed`: the flags of `experts`, same structure."""
     any_of = lambda tree: any(jax.tree.leaves(tree))
     if isinstance(experts, LoRAExperts):
-        base, _ = _view(experts.base, perturbed.base)
-        return base, _Stacked(experts.lora, any_of(perturbed.lora))
-    if isinstance(experts, PerExpert):
-        return _Parts(experts, any_of(perturbed)), None
-    return _Stacked(experts, any_of(perturbed)), None
+        return experts.base, _Stacked(experts.lora, any_of(perturbed.lora)), any_of(perturbed.base)
+    return experts, None, any_of(perturbed)
 
 
 def _float32_view(one: Any) -> tuple[Any, int | None]:
@@ -175,81 +149,39 @@ def routed_vjp(
     want_x = bool(p_x)
     want_out = bool(p_slots.out_weight)
     want_scale = slots.in_scale is not None and bool(p_slots.in_scale)
-    base, adapters = _view(experts, p_experts)
-    want_base = base.perturbed
+    base, adapters, want_base = _view(experts, p_experts)
     want_lora = adapters is not None and adapters.perturbed
     if not (want_x or want_out or want_scale or want_base or want_lora):
         return None, None, None
 
     T, K = slots.indices.shape
     E, H, M = experts.num_experts, x.shape[-1], T * K
-    B = block_rows or grouped_block_rows(M, E)
+    # At least 16 rows: the per-expert float32 format runs 2..8 rows as a multiply-reduce (`padded_rows`), whose
+    # backward would hold a weight-sized temporary per row.
+    B = max(16, block_rows or grouped_block_rows(M, E))
     ids = slots.indices.reshape(-1)
     expert_of_pair = jnp.where((ids >= 0) & (ids < E), ids, E).astype(jnp.int32)  # [M]; skipped -> E
     order = jnp.argsort(expert_of_pair, stable=True)  # [M] the pair at each sorted row
     counts = jnp.bincount(expert_of_pair, length=E + 1)[:E]  # [E]
     first_row = jnp.cumsum(counts) - counts  # [E]
-    active = jnp.nonzero(counts > 0, size=E, fill_value=0)[0]  # [E] experts with pairs first
     pad = lambda a: jnp.concatenate([a, jnp.zeros((B, *a.shape[1:]), a.dtype)])  # B spare rows past M
-    token = pad(order // K)  # [M + B]
-    out_weight = pad(slots.out_weight.reshape(-1).astype(jnp.float32)[order])  # [M + B]
-    in_scale = None if slots.in_scale is None else pad(slots.in_scale.reshape(-1).astype(jnp.float32)[order])
-    row_ids = experts.row_ids(slots)
-    x32 = x.astype(jnp.float32)
-    g = cotangent.astype(jnp.float32)
-
-    def one_expert(u: Array, carry: dict) -> dict:
-        e = active[u]
-        one = base.take(e)
-        floats, _, join = _split(one)
-        dense, group = _float32_view(one)
-        if want_base:
-            dense, pull_back = jax.vjp(lambda fs: _float32_view(join(fs))[0], floats)
-        lora = adapters.take(e) if adapters is not None else None
-        start, end = first_row[e], first_row[e] + counts[e]
-
-        def one_block(j: Array, inner: dict) -> dict:
-            r0 = start + j * B
-            rows = r0 + jnp.arange(B)
-            live = rows < end  # [B]; rows past the expert's pairs are padding
-            tok = jax.lax.dynamic_slice_in_dim(token, r0, B)  # [B]
-            xb = x32[tok]  # [B, H]
-            scale = None if in_scale is None else jax.lax.dynamic_slice_in_dim(in_scale, r0, B)
-            x_in = xb if scale is None else xb * scale[:, None]
-            extra = () if row_ids is None else (row_ids[tok],)
-            args = {"x": x_in, "dense": dense, "lora": lora}
-            diff = [k for k, want in (("x", True), ("dense", want_base), ("lora", want_lora)) if want]
-
-            def ffn(*values):
-                a = args | dict(zip(diff, values, strict=True))
-                return _expert(a["dense"], group, a["lora"]).ffn(a["x"], act, *extra)
-
-            yb, vjp_fn = jax.vjp(ffn, *(args[k] for k in diff))  # [B, H]
-            gb = g[tok]  # [B, H]
-            w = jax.lax.dynamic_slice_in_dim(out_weight, r0, B)
-            grads = dict(zip(diff, vjp_fn(jnp.where(live[:, None], w[:, None] * gb, 0.0)), strict=True))
-            out = dict(inner)
-            if want_out:
-                out["out_weight"] = _masked_update(inner["out_weight"], jnp.sum(gb * yb, -1), live, r0)
-            dx_in = jnp.where(live[:, None], grads["x"], 0.0)  # [B, H]
-            if want_scale:
-                out["in_scale"] = _masked_update(inner["in_scale"], jnp.sum(dx_in * xb, -1), live, r0)
-            if want_x:
-                out["x"] = inner["x"].at[tok].add(dx_in if scale is None else dx_in * scale[:, None])
-            if want_base:
-                out["dense"] = jax.tree.map(jnp.add, inner["dense"], grads["dense"])
-            if want_lora:
-                out["lora"] = adapters.add(inner["lora"], e, _split(grads["lora"])[0])
-            return out
-
-        inner = {k: v for k, v in carry.items() if k != "base"}
-        if want_base:
-            inner["dense"] = jax.tree.map(jnp.zeros_like, dense)
-        inner = jax.lax.fori_loop(0, -(-counts[e] // B), one_block, inner)
-        out = {k: v for k, v in inner.items() if k != "dense"}
-        if want_base:
-            out["base"] = base.add(carry["base"], e, pull_back(inner["dense"])[0])
-        return out
+    pairs = {
+        "token": pad(order // K),  # [M + B]
+        "out_weight": pad(slots.out_weight.reshape(-1).astype(jnp.float32)[order]),  # [M + B]
+        "in_scale": None if slots.in_scale is None else pad(slots.in_scale.reshape(-1).astype(jnp.float32)[order]),
+    }
+    want = {"x": want_x, "out": want_out, "scale": want_scale, "base": want_base, "lora": want_lora}
+    expert_step = functools.partial(
+        _one_expert,
+        pairs=pairs,
+        x=x.astype(jnp.float32),
+        g=cotangent.astype(jnp.float32),
+        row_ids=experts.row_ids(slots),
+        act=act,
+        B=B,
+        want=want,
+        adapters=adapters,
+    )
 
     carry: dict = {}
     if want_x:
@@ -258,14 +190,32 @@ def routed_vjp(
         carry["out_weight"] = jnp.zeros(M + B, jnp.float32)
     if want_scale:
         carry["in_scale"] = jnp.zeros(M + B, jnp.float32)
-    if want_base:
-        carry["base"] = base.zeros()
     if want_lora:
         carry["lora"] = adapters.zeros()
-    carry = jax.lax.fori_loop(0, jnp.sum(counts > 0), one_expert, carry)
+    if isinstance(base, PerExpert):
+        # Unrolled over the parts: each read in place and its gradient formed in its own buffer (a traced index
+        # would copy the part in and the gradient out, several weight-sized passes per expert).
+        d_parts = []
+        for e, part in enumerate(base.parts):
+            carry, d_part = expert_step(e, part, first_row[e], counts[e], carry)
+            d_parts.append(d_part)
+        d_base = PerExpert(tuple(_cotangent(p, d) for p, d in zip(base.parts, d_parts, strict=True)), base.fmt)
+    else:
+        stacked = _Stacked(base, want_base)
+        active = jnp.nonzero(counts > 0, size=E, fill_value=0)[0]  # [E] experts with pairs first
+        if want_base:
+            carry["base"] = stacked.zeros()
+
+        def used_expert(u: Array, carry: dict) -> dict:
+            e = active[u]
+            rest = {k: v for k, v in carry.items() if k != "base"}
+            rest, d_one = expert_step(e, stacked.take(e), first_row[e], counts[e], rest)
+            return rest | ({"base": stacked.add(carry["base"], e, d_one)} if want_base else {})
+
+        carry = jax.lax.fori_loop(0, jnp.sum(counts > 0), used_expert, carry)
+        d_base = stacked.cotangent(carry.get("base"))
 
     unsort = lambda sorted_rows: jnp.zeros(M, jnp.float32).at[order].set(sorted_rows[:M]).reshape(T, K)
-    d_base = base.cotangent(carry.get("base"))
     d_experts = d_base if adapters is None else LoRAExperts(d_base, adapters.cotangent(carry.get("lora")))
     d_x = carry["x"].astype(x.dtype) if want_x else None
     d_in_scale = unsort(carry["in_scale"]).astype(slots.in_scale.dtype) if want_scale else None
@@ -276,6 +226,56 @@ def routed_vjp(
         None if slots.adapter is None else np.zeros(slots.adapter.shape, jax.dtypes.float0),
     )
     return d_experts, d_x, d_slots
+
+
+def _one_expert(e, one, start, count, carry, *, pairs, x, g, row_ids, act, B, want, adapters):
+    """Expert e's pairs (sorted rows `[start, start + count)`), `one` its weights: the block loop of the module
+    docstring's step 2. Returns the carry and the gradient of `one`'s float leaves (None when not wanted)."""
+    floats, _, join = _split(one)
+    dense, group = _float32_view(one)
+    if want["base"]:
+        dense, pull_back = jax.vjp(lambda fs: _float32_view(join(fs))[0], floats)
+    lora = adapters.take(e) if adapters is not None else None
+    end = start + count
+    diff = [k for k, w in (("x", True), ("dense", want["base"]), ("lora", want["lora"])) if w]
+
+    def one_block(j: Array, inner: dict) -> dict:
+        r0 = start + j * B
+        live = r0 + jnp.arange(B) < end  # [B]; rows past the expert's pairs are padding
+        tok = jax.lax.dynamic_slice_in_dim(pairs["token"], r0, B)  # [B]
+        xb = x[tok]  # [B, H]
+        scale = None if pairs["in_scale"] is None else jax.lax.dynamic_slice_in_dim(pairs["in_scale"], r0, B)
+        args = {"x": xb if scale is None else xb * scale[:, None], "dense": dense, "lora": lora}
+        extra = () if row_ids is None else (row_ids[tok],)
+
+        def ffn(*values):
+            a = args | dict(zip(diff, values, strict=True))
+            return _expert(a["dense"], group, a["lora"]).ffn(a["x"], act, *extra)
+
+        yb, vjp_fn = jax.vjp(ffn, *(args[k] for k in diff))  # [B, H]
+        gb = g[tok]  # [B, H]
+        w = jax.lax.dynamic_slice_in_dim(pairs["out_weight"], r0, B)
+        grads = dict(zip(diff, vjp_fn(jnp.where(live[:, None], w[:, None] * gb, 0.0)), strict=True))
+        out = dict(inner)
+        if want["out"]:
+            out["out_weight"] = _masked_update(inner["out_weight"], jnp.sum(gb * yb, -1), live, r0)
+        dx_in = jnp.where(live[:, None], grads["x"], 0.0)  # [B, H]
+        if want["scale"]:
+            out["in_scale"] = _masked_update(inner["in_scale"], jnp.sum(dx_in * xb, -1), live, r0)
+        if want["x"]:
+            out["x"] = inner["x"].at[tok].add(dx_in if scale is None else dx_in * scale[:, None])
+        if want["base"]:
+            out["dense"] = jax.tree.map(jnp.add, inner["dense"], grads["dense"])
+        if want["lora"]:
+            out["lora"] = adapters.add(inner["lora"], e, _split(grads["lora"])[0])
+        return out
+
+    inner = dict(carry)
+    if want["base"]:
+        inner["dense"] = jax.tree.map(jnp.zeros_like, dense)
+    inner = jax.lax.fori_loop(0, -(-count // B), one_block, inner)
+    d_one = pull_back(inner.pop("dense"))[0] if want["base"] else None
+    return inner, d_one
 
 
 def _masked_update(buffer: Array, values: Array, live: Array, start: Array) -> Array:

@@ -1,0 +1,241 @@
+"""Training cost of the MoE layer: moejax's gradients next to torch autograd through the Hugging Face block.
+
+On the Qwen3-30B-A3B layer (H=2048, E=128, top-8, I=768, float32), in one process, on the same weights:
+
+* **full**: `jax.value_and_grad` of `<y, probe>` w.r.t. x and the routed experts (`impl="auto"`), against torch
+  autograd through transformers' `Qwen3MoeSparseMoeBlock` (every experts backend of transformers that runs here;
+  the fastest is "HF best"), forward + backward of the same loss and gradients;
+* **lora**: LoRA r=16 on the experts' projections and the router, base frozen: gradients w.r.t. the adapters and
+  x, against peft's LoRA on the same block (`target_parameters` on the fused expert weights and the router);
+* each next to the forward alone (`jax.jit(moe_forward)`; HF under `torch.no_grad`), as `x fwd`;
+* **memory**: the compiled temporary memory of the full grad program at E = 16, 64, 128, 256 (K=8, same T),
+  compiled from shapes alone (nothing allocated), next to the issue's budget 2·T·K·(H+3I)·4 bytes.
+
+Times are medians of --repeats rounds after a warm-up round; a round calls every contender once (interleaved,
+so that all see the same stretches of load on a shared machine). torch runs with 2 threads (--torch-threads).
+
+    pip install -e ".[peft]"                          # torch (CPU), transformers, peft
+    python benchmarks/train_bench.py                   # T=512 and 2048, median of 3; writes benchmarks/results/
+    python benchmarks/train_bench.py --quick           # tiny shapes: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import vs_hf  # benchmarks/vs_hf.py: the HF block built on moejax's weights
+
+import moejax
+from moejax.lora import LoRAPair, from_pairs, stack
+
+RANK = 16
+
+
+def lora_stack(cfg: moejax.MoEConfig, rank: int, seed: int = 0):
+    """One random adapter (A ~ N(0, 1/in), B ~ N(0, 0.01²), s = 2) on the router and the experts' projections,
+    as a stack (id 1 on every row)."""
+    rng = np.random.default_rng(seed)
+    E, H, I, N = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.num_selectable
+    shapes = {"router": ((), H, N), "experts.gate": ((E,), H, I), "experts.up": ((E,), H, I)}
+    shapes["experts.down"] = ((E,), I, H)
+    pairs = {}
+    for name, (lead, n_in, n_out) in shapes.items():
+        a = rng.standard_normal((*lead, rank, n_in), np.float32) / np.sqrt(n_in)
+        b = 0.01 * rng.standard_normal((*lead, n_out, rank), np.float32)
+        pairs[name] = LoRAPair(jnp.asarray(a), jnp.asarray(b), jnp.float32(2.0))
+    return stack([from_pairs(pairs)])
+
+
+def median_ms(samples: list[float]) -> float:
+    return round(1e3 * statistics.median(samples), 1)
+
+
+def interleaved(calls: dict, repeats: int) -> dict[str, list[float]]:
+    samples = {name: [] for name in calls}
+    for round_ in range(1 + repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if round_:
+                samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def moejax_calls(cfg, params, x, probe, lora):
+    """jitted forward, full value_and_grad, LoRA value_and_grad (base frozen) of `<y, probe>`."""
+    ids = jnp.ones(x.shape[0], jnp.int32)
+
+    def loss(experts, x):
+        return jnp.sum(moejax.moe_forward(dataclasses.replace(params, experts=experts), x, cfg) * probe)
+
+    def lora_loss(lora, x):
+        return jnp.sum(moejax.moe_forward(params, x, cfg, lora=lora, adapter_ids=ids) * probe)
+
+    fwd = jax.jit(lambda x: moejax.moe_forward(params, x, cfg))
+    full = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    adapters = jax.jit(jax.value_and_grad(lora_loss, argnums=(0, 1)))
+    return {
+        "fwd": lambda: jax.block_until_ready(fwd(x)),
+        "full": lambda: jax.block_until_ready(full(params.experts, x)),
+        "lora": lambda: jax.block_until_ready(adapters(lora, x)),
+    }
+
+
+def hf_calls(layer, params, x, probe, threads: int) -> tuple[dict, dict]:
+    """Per experts backend of transformers: forward (no_grad) and forward+backward w.r.t. x and the experts;
+    peft's LoRA (target_parameters) forward+backward w.r.t. the adapters and x. Backends that fail are reported."""
+    import torch
+
+    torch.set_num_threads(threads)
+    block = vs_hf.build_hf_block(layer, params, "float32")
+    xt = torch.from_numpy(np.asarray(x)).clone()[None]
+    pt = torch.from_numpy(np.asarray(probe)).clone()[None]
+    calls, skipped = {}, {}
+    for backend in vs_hf.hf_backends():
+        vs_hf.set_backend(block, backend)
+        try:
+            step = _hf_train_step(block, xt, pt, [block.experts.gate_up_proj, block.experts.down_proj])
+            step()
+        except Exception as err:  # a backend may need CUDA or a kernels package: report it and go on
+            skipped[backend] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
+            continue
+        calls[f"hf {backend} fwd"] = _hf_forward(block, xt, backend)
+        calls[f"hf {backend} full"] = step
+    try:
+        calls |= _peft_calls(layer, params, xt, pt, [b for b in vs_hf.hf_backends() if f"hf {b} full" in calls])
+    except Exception as err:
+        skipped["peft"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
+    return calls, skipped
+
+
+def _hf_forward(block, xt, backend):
+    import torch
+
+    def call():
+        vs_hf.set_backend(block, backend)
+        with torch.no_grad():
+            block(xt)
+
+    return call
+
+
+def _hf_train_step(block, xt, pt, params):
+    import torch
+
+    for p in block.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+
+    def call():
+        x = xt.detach().requires_grad_(True)
+        loss = (block(x) * pt).sum()
+        torch.autograd.grad(loss, [x, *params])
+
+    return call
+
+
+def _peft_calls(layer, params, xt, pt, backends) -> dict:
+    import peft
+    import torch
+
+    block = vs_hf.build_hf_block(layer, params, "float32")
+    targets = ["experts.gate_up_proj", "experts.down_proj", "gate.weight"]
+    config = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=[], target_parameters=targets)
+    model = peft.get_peft_model(block, config)
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            torch.nn.init.normal_(p, std=0.01)
+    calls = {}
+    for backend in backends:
+
+        def step(backend=backend):
+            vs_hf.set_backend(block, backend)
+            x = xt.detach().requires_grad_(True)
+            loss = (model(x) * pt).sum()
+            torch.autograd.grad(loss, [x, *adapters])
+
+        step()
+        calls[f"peft {backend} lora"] = step
+    return calls
+
+
+def temp_memory(cfg, T: int, num_experts: tuple[int, ...]) -> list[dict]:
+    """Compiled temporary bytes of the full grad program at each E (shapes only), per layout."""
+    rows = []
+    budget = 2 * T * cfg.top_k * (cfg.hidden_size + 3 * cfg.intermediate_size) * 4
+    for E in num_experts:
+        c = cfg.replace(num_experts=E)
+        for layout in ("per_expert", "stacked"):
+            params = jax.eval_shape(lambda c=c, layout=layout: moejax.init_params(c, jax.random.key(0), layout=layout))
+            x = jax.ShapeDtypeStruct((T, c.hidden_size), jnp.float32)
+
+            def loss(experts, params, x, c=c):
+                return jnp.sum(moejax.moe_forward(dataclasses.replace(params, experts=experts), x, c) ** 2)
+
+            grad = jax.jit(jax.grad(loss, argnums=(0, 2)))
+            memory = grad.lower(params.experts, params, x).compile().memory_analysis()
+            grads = 3 * E * c.hidden_size * c.intermediate_size * 4
+            rows.append(
+                {
+                    "case": f"memory E={E} {layout}",
+                    "temp_MB": round(memory.temp_size_in_bytes / 1e6, 1),
+                    "gradient_MB": round(grads / 1e6, 1),
+                    "budget_MB": round(budget / 1e6, 1),
+                }
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("-T", type=int, nargs="*", default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--torch-threads", type=int, default=2)
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--json", nargs="?", const="", default=None, help="results file (default: results/)")
+    args = parser.parse_args()
+    layer = vs_hf.make_layer("qwen3-30b-a3b", args.quick)
+    cfg = layer.cfg
+    params = moejax.init_params(cfg, jax.random.key(0), jnp.float32)
+    lora = lora_stack(cfg, RANK)
+    rows = []
+    for T in args.T or ((64, 256) if args.quick else (512, 2048)):
+        x = jax.random.normal(jax.random.key(1), (T, cfg.hidden_size), jnp.float32)
+        probe = jax.random.normal(jax.random.key(2), (T, cfg.hidden_size), jnp.float32)
+        ours = moejax_calls(cfg, params, x, probe, lora)
+        for call in ours.values():
+            call()  # compile
+        theirs, skipped = hf_calls(layer, params, x, probe, args.torch_threads)
+        samples = interleaved({**{f"moejax {k}": v for k, v in ours.items()}, **theirs}, args.repeats)
+        ms = {name: median_ms(s) for name, s in samples.items()}
+        fwd = ms["moejax fwd"]
+        hf_full = min((v, k) for k, v in ms.items() if k.startswith("hf ") and k.endswith(" full"))
+        peft = [(v, k) for k, v in ms.items() if k.startswith("peft ")]
+        row = {"case": f"T={T}", "fwd_ms": fwd, "full_ms": ms["moejax full"], "full_x_fwd": ms["moejax full"] / fwd}
+        row |= {"hf_best_full_ms": hf_full[0], "hf_best": hf_full[1].split()[1], "hf_over_full": hf_full[0] / ms["moejax full"]}
+        row |= {"lora_ms": ms["moejax lora"], "lora_x_fwd": ms["moejax lora"] / fwd}
+        if peft:
+            row |= {"peft_best_ms": min(peft)[0], "peft_over_lora": min(peft)[0] / ms["moejax lora"]}
+        rows.append({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+        print(rows[-1], "\n  all:", ms, "\n  skipped:", skipped, flush=True)
+    if not args.no_memory:
+        rows += temp_memory(cfg, 64 if args.quick else 512, (16, 64) if args.quick else (16, 64, 128, 256))
+    if args.json is not None:
+        from report import write  # benchmarks/report.py: the results files' one schema
+
+        notes = f"Qwen3-30B-A3B layer{' (tiny)' if args.quick else ''}, float32; LoRA r={RANK}; medians of {args.repeats}"
+        write("train_bench", rows, args.json or None, notes)
+
+
+if __name__ == "__main__":
+    main()
