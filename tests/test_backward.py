@@ -150,7 +150,7 @@ def test_only_what_is_differentiated_is_computed():
 
 
 def _static_work(jaxpr, multiplicity: int = 1) -> int:
-    """FLOPs of the dots that run whatever the routing: a scan's body `length` times, the largest branch of a
+    """FLOPs of the dots that run whatever the routing: a scan's body `length` times, the cheapest branch of a
     cond, a while loop's body not at all (its trip count is data: the experts used and their routed pairs)."""
     as_jaxpr = lambda v: v if hasattr(v, "eqns") else v.jaxpr if hasattr(getattr(v, "jaxpr", None), "eqns") else None
     total = 0
@@ -161,8 +161,8 @@ def _static_work(jaxpr, multiplicity: int = 1) -> int:
             total += multiplicity * 2 * int(np.prod(out.shape)) * int(np.prod([lhs.shape[d] for d in lc]))
         length = {"scan": eqn.params.get("length", 1), "while": 0}.get(eqn.primitive.name, 1)
         for param in eqn.params.values():
-            if isinstance(param, tuple):  # a cond's branches: one of them runs
-                total += max([_static_work(as_jaxpr(b), multiplicity) for b in param if as_jaxpr(b)], default=0)
+            if isinstance(param, tuple):  # a cond's branches: the cheapest runs whatever the routing
+                total += min([_static_work(as_jaxpr(b), multiplicity) for b in param if as_jaxpr(b)], default=0)
             elif (inner := as_jaxpr(param)) is not None:
                 total += _static_work(inner, multiplicity * length)
     return total

@@ -156,9 +156,11 @@ def routed_vjp(
 
     T, K = slots.indices.shape
     E, H, M = experts.num_experts, x.shape[-1], T * K
-    # At least 16 rows: the per-expert float32 format runs 2..8 rows as a multiply-reduce (`padded_rows`), whose
-    # backward would hold a weight-sized temporary per row.
-    B = max(16, block_rows or grouped_block_rows(M, E))
+    # Half the forward's blocks (the mean load per expert rounded up to a power of two): a padding row costs the
+    # block's nine products, an extra block one pass over the expert's gradient. At least 16 rows: the
+    # per-expert float32 format runs 2..8 rows as a multiply-reduce (`padded_rows`), whose backward would hold a
+    # weight-sized temporary per row.
+    B = max(16, (block_rows or grouped_block_rows(M, E)) // 2)
     ids = slots.indices.reshape(-1)
     expert_of_pair = jnp.where((ids >= 0) & (ids < E), ids, E).astype(jnp.int32)  # [M]; skipped -> E
     order = jnp.argsort(expert_of_pair, stable=True)  # [M] the pair at each sorted row
@@ -197,7 +199,9 @@ def routed_vjp(
         # would copy the part in and the gradient out, several weight-sized passes per expert).
         d_parts = []
         for e, part in enumerate(base.parts):
-            carry, d_part = expert_step(e, part, first_row[e], counts[e], carry)
+            step = functools.partial(expert_step, e, part, first_row[e], counts[e])
+            unused = lambda carry, part=part: (carry, _zeros_like_floats(part) if want_base else None)
+            carry, d_part = jax.lax.cond(counts[e] > 0, step, unused, carry)
             d_parts.append(d_part)
         d_base = PerExpert(tuple(_cotangent(p, d) for p, d in zip(base.parts, d_parts, strict=True)), base.fmt)
     else:
@@ -229,8 +233,9 @@ def routed_vjp(
 
 
 def _one_expert(e, one, start, count, carry, *, pairs, x, g, row_ids, act, B, want, adapters):
-    """Expert e's pairs (sorted rows `[start, start + count)`), `one` its weights: the block loop of the module
-    docstring's step 2. Returns the carry and the gradient of `one`'s float leaves (None when not wanted)."""
+    """Expert e's pairs (sorted rows `[start, start + count)`, count > 0), `one` its weights: the block loop of
+    the module docstring's step 2. Returns the carry and the gradient of `one`'s float leaves (None when not
+    wanted)."""
     floats, _, join = _split(one)
     dense, group = _float32_view(one)
     if want["base"]:
@@ -239,7 +244,8 @@ def _one_expert(e, one, start, count, carry, *, pairs, x, g, row_ids, act, B, wa
     end = start + count
     diff = [k for k, w in (("x", True), ("dense", want["base"]), ("lora", want["lora"])) if w]
 
-    def one_block(j: Array, inner: dict) -> dict:
+    def block(j: Array, inner: dict) -> tuple[dict, Any]:
+        """Block j's updates of the carry, and its gradient of the float32 weights (None when not wanted)."""
         r0 = start + j * B
         live = r0 + jnp.arange(B) < end  # [B]; rows past the expert's pairs are padding
         tok = jax.lax.dynamic_slice_in_dim(pairs["token"], r0, B)  # [B]
@@ -264,18 +270,26 @@ def _one_expert(e, one, start, count, carry, *, pairs, x, g, row_ids, act, B, wa
             out["in_scale"] = _masked_update(inner["in_scale"], jnp.sum(dx_in * xb, -1), live, r0)
         if want["x"]:
             out["x"] = inner["x"].at[tok].add(dx_in if scale is None else dx_in * scale[:, None])
-        if want["base"]:
-            out["dense"] = jax.tree.map(jnp.add, inner["dense"], grads["dense"])
         if want["lora"]:
             out["lora"] = adapters.add(inner["lora"], e, _split(grads["lora"])[0])
-        return out
+        return out, grads.get("dense")
 
-    inner = dict(carry)
+    def next_block(j: Array, inner: dict) -> dict:
+        rest = {k: v for k, v in inner.items() if k != "dense"}
+        rest, d_dense = block(j, rest)
+        return rest | ({"dense": jax.tree.map(jnp.add, inner["dense"], d_dense)} if want["base"] else {})
+
+    # The first block outside the loop: its weight gradient starts the sum (no zeros to add it to); count > 0.
+    inner, d_dense = block(0, carry)
     if want["base"]:
-        inner["dense"] = jax.tree.map(jnp.zeros_like, dense)
-    inner = jax.lax.fori_loop(0, -(-count // B), one_block, inner)
+        inner["dense"] = d_dense
+    inner = jax.lax.fori_loop(1, -(-count // B), next_block, inner)
     d_one = pull_back(inner.pop("dense"))[0] if want["base"] else None
     return inner, d_one
+
+
+def _zeros_like_floats(one: Any) -> list:
+    return [jnp.zeros(jnp.shape(w), jnp.result_type(w)) for w in _split(one)[0]]
 
 
 def _masked_update(buffer: Array, values: Array, live: Array, start: Array) -> Array:
