@@ -25,7 +25,7 @@ from moejax.bench import MODEL_LAYERS
 from moejax.lora import LoRAPair, _target_shapes, from_pairs
 
 
-def adapter_stack(cfg, n: int, rank: int, key) -> moejax.LoRAParams:
+def adapter_stack(cfg, n: int, rank: int, key) -> moejax.lora.LoRAParams:
     """A stack of n random adapters of one rank on every target of `cfg` (`a [n+1, ..., r, in]`, id 0 zeros)."""
     pairs = {}
     for i, (name, (lead, n_in, n_out)) in enumerate(_target_shapes(cfg).items()):

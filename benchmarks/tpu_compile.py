@@ -140,7 +140,8 @@ def compile_ep(cfg: moejax.MoEConfig, T: int, mode: str, impl: str, chip_name: s
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from moejax.parallel import moe_forward_ep, param_specs
+    from moejax.parallel import moe_forward_ep
+    from moejax.sharding import partition_specs
 
     topology, hbm = CHIPS[chip_name]
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
@@ -149,7 +150,7 @@ def compile_ep(cfg: moejax.MoEConfig, T: int, mode: str, impl: str, chip_name: s
     try:
         params = jax.eval_shape(lambda k: moejax.init_params(cfg, k, jnp.bfloat16, layout="stacked"), jax.random.key(0))
         place = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
-        params = jax.tree.map(place, params, param_specs(cfg))
+        params = jax.tree.map(place, params, partition_specs(cfg))
         x_spec = P() if mode == "replicated" else P("expert")
         x = jax.ShapeDtypeStruct((T, cfg.hidden_size), jnp.bfloat16, sharding=NamedSharding(mesh, x_spec))
         fn = jax.jit(lambda p, x: moe_forward_ep(p, x, cfg, mesh=mesh, mode=mode, impl=impl))

@@ -31,7 +31,27 @@ from moejax.stats import MoEStats
 from moejax.weights import Experts
 
 Array = jax.Array
-__all__ = ["IMPLS", "checked_moe_forward", "chosen_impl", "moe_forward", "moe_forward_with_checks"]
+__all__ = ["IMPLS", "MoEOutput", "checked_moe_forward", "chosen_impl", "moe_forward", "moe_forward_with_checks"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEOutput:
+    """What an MoE call returns when extras are asked for (`return_stats=True` and/or `return_routing=True`);
+    without them the call returns `y` alone. A pytree: it passes through `jax.jit`, `jax.lax.scan` and
+    `jax.tree.map`."""
+
+    y: Array  # [..., H] the block's output, in x's dtype
+    stats: MoEStats | None = None  # the call's routing statistics (on device) when return_stats=True, else None
+    routing: Routing | None = None  # the routing used ([T, ...] rows) when return_routing=True, else None
+
+
+def as_output(y: Array, stats: MoEStats | None, routing: Routing | None, *, return_stats: bool, return_routing: bool):
+    """The one return rule of every entry point: `y` when no extras are asked for, else a `MoEOutput` holding
+    the extras asked for (the others None)."""
+    if not (return_stats or return_routing):
+        return y
+    return MoEOutput(y, stats if return_stats else None, routing if return_routing else None)
 
 
 def check_inputs(params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array | None) -> None:
@@ -62,7 +82,7 @@ def check_lora_inputs(lora: LoRAParams | None, adapter_ids, x: Array, cfg: MoECo
     if adapter_ids is None:
         raise ValueError(f"lora given without adapter_ids: pass int32 ids of shape x.shape[:-1]={tuple(x.shape[:-1])}")
     if not isinstance(lora, LoRAParams):
-        raise TypeError(f"lora must be a moejax.LoRAParams stack (moejax.lora.stack), got {type(lora).__name__}")
+        raise TypeError(f"lora must be a moejax.lora.LoRAParams stack (moejax.lora.stack), got {type(lora).__name__}")
     if not lora.is_stack:
         raise ValueError(
             "lora is one adapter, not a stack: moe_forward takes stacked adapters with per-row ids; "
@@ -91,7 +111,7 @@ def moe_forward(
     routing: Routing | None = None,
     return_routing: bool = False,
     dispatch: Dispatch | None = None,
-) -> Array | tuple:
+) -> Array | MoEOutput:
     """The MoE block: `x [..., H]` -> `[..., H]` in x's dtype. Pure and jit-able (`cfg`, `impl`, `dispatch` static).
 
     1. Route (`moejax.route`), or take the given `routing`.  2. Routed sum `Σ_k w_k·E_k(x_e)` (x_e = x, or
@@ -100,8 +120,9 @@ def moe_forward(
     x_e` (LongCat).  5. `+ shared(x_e)`, sigmoid-gated where the family gates it.  6. Cast to x's dtype. The routed
     experts may be in either layout (`moejax.weights`): stacked or per-expert.
 
-    Returns `y`, then the call's `MoEStats` (on device) when `return_stats`, then the `Routing` used when
-    `return_routing` (a tuple when either is asked for).
+    Returns `y [..., H]`; with `return_stats=True` and/or `return_routing=True`, a `MoEOutput` instead: `.y`,
+    `.stats` (the call's `MoEStats`, on device) and `.routing` (the `Routing` used), each extra None unless asked
+    for.
 
     Routing replay: `routing` (a `moejax.Routing` as `route` or `return_routing=True` returns it: `indices [T, K]`
     integer, `weights [T, K]` float, `zero_weight [T]` for families with zero experts, else None; T = rows of x;
@@ -158,8 +179,7 @@ def moe_forward(
         )
         outputs, stats = dispatch.run(body, operands, rows, cfg=cfg, with_stats=return_stats)
         used = routing if routing is not None else _flat_routing(outputs.get("routing"), x.shape[:-1])
-    result = (outputs["y"],) + ((stats,) if return_stats else ()) + ((used,) if return_routing else ())
-    return result if len(result) > 1 else result[0]
+    return as_output(outputs["y"], stats, used, return_stats=return_stats, return_routing=return_routing)
 
 
 def _pipeline(operands, rows, *, cfg, impl, dispatch, num_tokens, with_stats, with_routing):

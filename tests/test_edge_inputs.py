@@ -14,7 +14,7 @@ from jax.experimental import checkify
 from multihost_worker import numpy_params
 
 import moejax
-from moejax import analysis, parallel
+from moejax import analysis, dispatch, parallel, sharding
 from moejax.__main__ import main
 from moejax.forward import moe_forward_with_checks
 
@@ -37,10 +37,10 @@ def test_empty_batch(shape):
     assert jax.jit(lambda p, v: moejax.moe_forward(p, v, cfg))(params, x).shape == shape
     assert moejax.checked_moe_forward(params, x, cfg).shape == shape
     mesh = jax.make_mesh((8,), ("expert",))
-    sharded = parallel.shard_params(params, cfg, mesh)
-    for mode in parallel.EP_MODES:
-        y, stats = parallel.moe_forward_ep(sharded, x, cfg, mesh=mesh, mode=mode, return_stats=True)
-        assert y.shape == shape and int(stats.expert_load.sum()) == 0, mode
+    sharded = sharding.shard_params(params, cfg, mesh)
+    for mode in dispatch.EP_MODES:
+        out = parallel.moe_forward_ep(sharded, x, cfg, mesh=mesh, mode=mode, return_stats=True)
+        assert out.y.shape == shape and int(out.stats.expert_load.sum()) == 0, mode
 
 
 # -- 4. checks inside the caller's jit -----------------------------------------------------------------------

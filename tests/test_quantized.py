@@ -17,7 +17,7 @@ from multihost_worker import numpy_params
 
 import moejax
 import moejax.bench
-from moejax import parallel
+from moejax import parallel, sharding
 from moejax import quantized as Q
 from moejax.hf import expert_tensors as ET
 from moejax.hf import quant_config as QC
@@ -248,7 +248,7 @@ def test_quantized_experts_under_expert_parallelism(mode):
     dense = moejax.init_params(cfg, jax.random.key(0), layout="stacked")
     qparams = moejax.quantize(dense, cfg, "int4", group_size=16, symmetric=False)
     mesh = jax.make_mesh((4, 2), ("expert", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    sharded = parallel.shard_params(qparams, cfg, mesh, tensor_axis="tensor")
+    sharded = sharding.shard_params(qparams, cfg, mesh, tensor_axis="tensor")
     spec = sharded.experts.down_scale.sharding.spec  # scales shard with their experts (and I with the tensor axis)
     assert spec[0] == "expert" and spec[1] == "tensor"
     x = jax.random.normal(jax.random.key(1), (12, cfg.hidden_size))

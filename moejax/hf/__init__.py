@@ -16,7 +16,7 @@ Below it, the prefix-level API:
   the fused in-memory tensors of transformers 5 or the per-expert checkpoint keys; `params_to_hf` is its inverse.
 * `load_safetensors(files, cfg, prefix)`: one block from a (sharded) safetensors checkpoint, given its prefix.
 
-PEFT LoRA adapters: `load_adapter(adapter_dir, cfg, layer_idx)` -> `moejax.LoRAParams` of one block (peft 0.21,
+PEFT LoRA adapters: `load_adapter(adapter_dir, cfg, layer_idx)` -> `moejax.lora.LoRAParams` of one block (peft 0.21,
 transformers 5 module names; docs/LORA.md), `save_adapter` writes one back (merged into an existing adapter).
 
 Everything about a family (model types, config mapping, MoE layers, block prefixes per checkpoint class, key
