@@ -253,6 +253,51 @@ def test_jitted_ep_forward_has_no_host_transfers_and_does_not_recompile_across_r
     assert not all(np.array_equal(loads[0], load) for load in loads[1:])  # the routing did change
 
 
+# -- inside a model --------------------------------------------------------------------------------------------
+
+
+def _typed_axes(a) -> tuple[str, ...]:
+    """The Explicit mesh axes in a's type: what a sharding type check compares."""
+    mesh = jax.typeof(a).sharding.mesh
+    return tuple(
+        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == jax.sharding.AxisType.Explicit
+    )
+
+
+@pytest.mark.parametrize(("mode", "B"), [("replicated", 2), ("all_to_all", 12)])  # the decode and grouped plans
+def test_ep_inside_a_jitted_decode_step_with_a_kv_cache_made_in_jit(mode, B):
+    """A model's decode loop as users write it: `jax.make_mesh` (Explicit axes), no mesh context, the activations
+    and the KV cache made inside the jitted step. The EP output carries x's sharding type (none), so the cache
+    update traces (it raised a ShardingTypeError naming the EP mesh), and equals the single-device forward. Under
+    `jax.set_mesh(mesh)` the step's arrays carry the mesh, and so does y."""
+    cfg, (params, *_), _ = CONFIGS["qwen3_next"], *_case(CONFIGS["qwen3_next"])
+    mesh = jax.make_mesh((8,), ("expert",))
+    steps = 3
+
+    def decode(params, x0, typed_axes):
+        cache = jnp.zeros((steps, B, cfg.hidden_size), x0.dtype)
+
+        def step(t, carry):
+            x, cache = carry
+            y = moe_forward_ep(params, x, cfg, mesh=mesh, mode=mode)
+            assert _typed_axes(y) == _typed_axes(cache) == typed_axes, jax.typeof(y).sharding
+            return jnp.tanh(y), jax.lax.dynamic_update_slice(cache, y[None], (t, 0, 0))
+
+        return jax.lax.fori_loop(0, steps, step, (x0 * 1.0, cache))[1]
+
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((B, cfg.hidden_size), np.float32))
+    sharded = sharding.shard_params(params, cfg, mesh)
+    no_context = jax.jit(functools.partial(decode, typed_axes=()))(sharded, x)
+    with jax.set_mesh(mesh):
+        in_context = jax.jit(functools.partial(decode, typed_axes=("expert",)))(sharded, x)
+    expected = []
+    for _ in range(steps):
+        expected.append(moejax.moe_forward(params, x, cfg))
+        x = jnp.tanh(expected[-1])
+    np.testing.assert_allclose(no_context, jnp.stack(expected), **TOL)
+    np.testing.assert_allclose(in_context, jnp.stack(expected), **TOL)
+
+
 # -- validation ------------------------------------------------------------------------------------------
 
 
