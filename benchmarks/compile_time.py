@@ -55,7 +55,7 @@ def main() -> None:
             for on in (True, False):
                 native.enable(on)
                 try:
-                    impl = moejax.forward.chosen_impl(params, x, cfg)
+                    impl = moejax.chosen_impl(params, x, cfg)
                     runs = [compile_seconds(cfg, params, x) for _ in range(args.repeats)]
                 finally:
                     native.enable(None)

@@ -67,7 +67,7 @@ def main() -> None:
         ran = {}
         for name, (lo, i, impl) in cases.items():  # compile first
             step(params, x, lo, i, impl).block_until_ready()
-            ran[name] = moejax.forward.chosen_impl(params, x, cfg, impl=impl, lora=lo)
+            ran[name] = moejax.chosen_impl(params, x, cfg, impl=impl, lora=lo)
         best = dict.fromkeys(cases, float("inf"))
         for _ in range(args.rounds):  # interleaved: a shared machine's load falls on every case alike
             for name, (lo, i, impl) in cases.items():

@@ -40,7 +40,7 @@ def demo(family: str, decode_rows: int, prefill_rows: int, seed: int) -> None:
         y.block_until_ready()
         step = (time.perf_counter() - start) / 5
         routing = moejax.route(params, x, cfg, tid)
-        plan = moejax.forward.chosen_impl(params, x, cfg, tid)
+        plan = moejax.chosen_impl(params, x, cfg, tid)
         print(f"\n{name}: T={T} plan={plan} first call (compile+run) {compiled * 1e3:.0f} ms, step {step * 1e3:.2f} ms")
         for t in range(min(T, 4)):
             ids = ", ".join(

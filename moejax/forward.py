@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from moejax.backends import IMPLS, resolve_impl, run_routed
+from moejax.backends import BACKENDS, IMPLS, candidates, resolve_impl, run_routed
 from moejax.backends.native_layer import LayerOps, layer_ops
 from moejax.backends.xla import grouped_block_rows
 from moejax.config import MoEConfig, ScalingTarget
@@ -309,9 +309,17 @@ def _expert_operands(params, lora, rows: dict[str, Array], routing: Routing | No
     return routing, expert_input(params, rows["x"], cfg), slots_from_routing(routing, cfg, adapter)
 
 
-def chosen_impl(params, x, cfg, token_ids=None, impl="auto", *, lora=None) -> str:
-    """The routed-expert backend `moe_forward(params, x, cfg, token_ids, impl, lora=lora, ...)` runs, for its
-    arguments and types (traced abstractly: nothing is computed; params and x may be `jax.ShapeDtypeStruct`s)."""
+def chosen_impl(params, x, cfg, token_ids=None, impl="auto", *, lora=None, platform: str | None = None) -> str:
+    """The routed-expert backend `moe_forward(params, x, cfg, token_ids, impl, lora=lora)` runs in a program
+    lowered for `platform` ("cpu", "cuda", "rocm", "tpu"; default: JAX's default backend), e.g. "native",
+    "cpu_grouped", "xla_decode", "ragged", "pallas_grouped" (`moejax.IMPLS` lists them).
+
+    Nothing is computed: the call is traced abstractly (params and x may be `jax.ShapeDtypeStruct`s), and the
+    choices "auto" makes while lowering (the native kernels on CPU, `ragged_dot` on TPU/GPU, the Pallas kernels on
+    validated devices) are lowered for `platform` alone. Expert parallelism runs the same choice on each device's
+    rows. Raises `NotImplementedError` when no backend serves the call, as the forward would.
+    """
+    platform = platform or jax.default_backend()
 
     def inputs(params, x, token_ids):
         rows = {"x": x.reshape(-1, cfg.hidden_size)}
@@ -323,7 +331,29 @@ def chosen_impl(params, x, cfg, token_ids=None, impl="auto", *, lora=None) -> st
 
     x_e, slots = jax.eval_shape(inputs, params, x, token_ids)
     experts = adapt(params.experts, None if lora is None else lora.experts)
-    return resolve_impl(impl, experts, x_e, slots, expert_activation(cfg))
+    act = expert_activation(cfg)
+    first = resolve_impl(impl, experts, x_e, slots, act)
+    if impl != "auto":
+        return first
+    names = candidates(impl, *slots.indices.shape)
+    for name in names[names.index(first) :]:
+        try:
+            resolve_impl(name, experts, x_e, slots, act)
+        except NotImplementedError:
+            continue
+        chooser = BACKENDS[name].chooser
+        if chooser is None or _chosen_when_lowered(chooser, (experts, x_e, slots), platform):
+            return name
+    raise NotImplementedError(f"impl={impl!r}: no implementation serves this call on {platform}")
+
+
+def _chosen_when_lowered(chooser, operands, platform: str) -> bool:
+    """Whether `chooser(run, fallback, *operands)` keeps `run` in a program lowered for `platform` (each branch
+    replaced by a constant that marks it in the lowered text)."""
+    run, fallback = 7_340_033, 5_242_883
+    pick = lambda *ops: chooser(lambda *_: jnp.int32(run), lambda *_: jnp.int32(fallback), *ops)
+    text = jax.jit(pick).trace(*operands).lower(lowering_platforms=(platform,)).as_text()
+    return f"dense<{run}>" in text
 
 
 def expert_input(params: MoEParams, x: Array, cfg: MoEConfig) -> Array:

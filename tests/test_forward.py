@@ -210,6 +210,28 @@ def test_moe_output_is_a_pytree_and_the_entry_points_share_their_keywords():
     )
 
 
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+@pytest.mark.parametrize("T", [1, 64])  # the decode and grouped plans
+def test_chosen_impl_names_what_auto_runs_for_each_platform(layout, T):
+    """On CPU: the native kernels when built, else the CPU plans (per-expert layout) or the XLA plans (stacked);
+    `ragged_dot` only where lowered for TPU/GPU (a grouped call on stacked experts). The CPU answer runs the same
+    program as "auto", bit for bit."""
+    from moejax.backends import native
+
+    cfg, _, x, _ = _setup("qwen3_moe", T=T, hidden_size=32, intermediate_size=16, num_experts=8, top_k=2)
+    params = moejax.init_params(cfg, jax.random.key(0), layout=layout)
+    kind = "decode" if T == 1 else "grouped"
+    plans = f"cpu_{kind}" if layout == "per_expert" else f"xla_{kind}"
+    assert moejax.chosen_impl(params, x, cfg, platform="cpu") == ("native" if native.available() else plans)
+    accelerator = "ragged" if (layout, kind) == ("stacked", "grouped") else plans
+    assert moejax.chosen_impl(params, x, cfg, platform="tpu") == accelerator
+    assert moejax.chosen_impl(params, x, cfg, impl="xla", platform="tpu") == f"xla_{kind}"
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))
+    assert moejax.chosen_impl(*abstract, cfg, platform="cpu") == moejax.chosen_impl(params, x, cfg, platform="cpu")
+    chosen = moejax.chosen_impl(params, x, cfg, platform="cpu")
+    np.testing.assert_array_equal(forward(params, x, cfg, None, chosen), forward(params, x, cfg, None, "auto"))
+
+
 def test_nnx_load_params_roundtrip():
     cfg = moejax.MoEConfig.preset("gemma4")
     layer = moejax.MoE(cfg, rngs=nnx.Rngs(0))

@@ -207,13 +207,13 @@ def test_enable_false_runs_the_xla_path_and_enable_none_restores_the_default():
     try:
         native.enable(False)
         assert not native.available() and native_layer.layer_ops("auto") is None
-        assert moejax.forward.chosen_impl(params, x, cfg) == "cpu_decode"
+        assert moejax.chosen_impl(params, x, cfg) == "cpu_decode"
         assert "moejax_" not in _lowered(lambda p, x: moejax.moe_forward(p, x, cfg), params, x)
         with pytest.raises(NotImplementedError, match="not built or not enabled"):
             native_layer.linear(x, params.router.kernel)
     finally:
         native.enable(None)
-    assert native.available() and moejax.forward.chosen_impl(params, x, cfg) == "native"
+    assert native.available() and moejax.chosen_impl(params, x, cfg) == "native"
 
 
 @built

@@ -134,9 +134,9 @@ def test_kernels_refuse_the_test_format_and_auto_falls_back():
         moejax.moe_forward(params, x, cfg, tid, impl="pallas")
     kernels = ["pallas_decode", "cpu_decode", "xla_decode"]
     assert moejax.backends.candidates("auto", 3, cfg.top_k)[-2:] == kernels[1:]
-    assert moejax.forward.chosen_impl(params, x, cfg, tid) == "xla_decode"  # stacked: the CPU plans step aside
+    assert moejax.chosen_impl(params, x, cfg, tid) == "xla_decode"  # stacked: the CPU plans step aside
     per_expert = with_experts_layout(params, "per_expert")
-    assert moejax.forward.chosen_impl(per_expert, x, cfg, tid) == "cpu_decode"
+    assert moejax.chosen_impl(per_expert, x, cfg, tid) == "cpu_decode"
 
 
 @pytest.mark.parametrize("mode", ["replicated", "all_to_all"])
