@@ -27,8 +27,7 @@ from jax.sharding import PartitionSpec as P
 import moejax
 from moejax import dispatch as D
 from moejax.dispatch import ep_all_to_all
-from moejax.parallel import shard_params
-from moejax.sharding import shard_map
+from moejax.sharding import shard_map, shard_params
 
 # Read by libtpu when a TPU topology is first built (as tests/test_tpu_compile.py).
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")

@@ -275,8 +275,8 @@ def test_placed_forward_has_no_host_transfers_and_does_not_recompile_across_rout
         x2, x3 = put(rng.standard_normal(xd.shape, np.float32)), put(rng.standard_normal(xf.shape, np.float32))
         with jax.transfer_guard("disallow"):
             out = jax.block_until_ready(fn(sharded, placed, x2, x3))
-        loads.append(np.asarray(out["replicated_placed"][1].device_load))
-        np.testing.assert_allclose(out["replicated_placed"][0], out["replicated"][0], **ULPS)
+        loads.append(np.asarray(out["replicated_placed"].stats.device_load))
+        np.testing.assert_allclose(out["replicated_placed"].y, out["replicated"].y, **ULPS)
     assert len(traces) == compiled
     assert not np.array_equal(*loads)
 
