@@ -121,16 +121,20 @@ def test_union_curve_with_fewer_tokens_than_the_window():
 
 
 def test_config_rejects_nan_and_accepts_numpy_integers():
-    for field in ("rms_norm_eps", "swiglu_alpha"):
+    for family, field in (("gemma4", "rms_norm_eps"), ("qwen3_moe", "swiglu_alpha")):
         with pytest.raises(ValueError, match=field):
-            moejax.MoEConfig.preset("qwen3_moe", **{field: float("nan")})
+            moejax.MoEConfig.preset(family, **{field: float("nan")})
+    with pytest.raises(ValueError, match=r"rms_norm_eps=1e-05: only router_prenorm / expert_prenorm read it"):
+        moejax.MoEConfig.preset("qwen3_moe", rms_norm_eps=1e-5)
+    with pytest.raises(ValueError, match=r"rms_norm_eps=None: router_prenorm / expert_prenorm need"):
+        moejax.MoEConfig.preset("gemma4", rms_norm_eps=None)
     with pytest.raises(ValueError, match="swiglu_limit"):
         moejax.MoEConfig.preset("qwen3_moe", swiglu_limit=float("nan"))
     cfg = moejax.MoEConfig.preset(
-        "qwen3_moe", hidden_size=np.int64(32), num_experts=np.int32(8), top_k=np.int64(2), rms_norm_eps=np.float32(1e-5)
+        "gemma4", hidden_size=np.int64(32), num_experts=np.int32(8), top_k=np.int64(2), rms_norm_eps=np.float32(1e-5)
     )
     assert cfg == moejax.MoEConfig.preset(
-        "qwen3_moe", hidden_size=32, num_experts=8, top_k=2, rms_norm_eps=float(np.float32(1e-5))
+        "gemma4", hidden_size=32, num_experts=8, top_k=2, rms_norm_eps=float(np.float32(1e-5))
     )
     assert type(cfg.hidden_size) is int and hash(cfg) == hash(dataclasses.replace(cfg))
 
