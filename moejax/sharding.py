@@ -7,10 +7,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 from jax._src import dispatch as jax_dispatch  # a private registry of jax 0.10, as pallas_kernels.platform
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -54,12 +56,15 @@ def auto_axes(mesh: Mesh) -> Mesh:
     return mesh.update(axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
-def requires_devices(fn: Callable, *args) -> bool:
-    """Whether `fn(*args)` holds a primitive that asks for the program's devices while lowering (a backend chosen
-    by device kind, `pallas_kernels.platform.choose_at_lowering`): JAX then requires one mesh, axis types
-    included, across the whole program. Traced abstractly; a JAX without the registry: False."""
+def traced(fn: Callable, *args) -> tuple[Callable[[], Any], bool]:
+    """`fn(*args)` traced once: (a call that runs what was traced, whether it holds a primitive that asks for the
+    program's devices while lowering). Such a primitive (a backend chosen by device kind,
+    `pallas_kernels.platform.choose_at_lowering`) makes JAX require one mesh, axis types included, across the
+    whole program. A JAX without that registry: False."""
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     check = getattr(jax_dispatch, "jaxpr_has_prim_requiring_devices", None)
-    return check is not None and check(jax.make_jaxpr(fn)(*args).jaxpr)
+    run = lambda: jax.tree.unflatten(jax.tree.structure(shape), jaxpr_as_fun(closed)(*jax.tree.leaves(args)))
+    return run, check is not None and check(closed.jaxpr)
 
 
 def match_specs(tree, specs, mesh: Mesh):

@@ -298,6 +298,22 @@ def test_ep_inside_a_jitted_decode_step_with_a_kv_cache_made_in_jit(mode, B):
     np.testing.assert_allclose(in_context, jnp.stack(expected), **TOL)
 
 
+def test_traced_tells_whether_a_program_asks_for_its_devices():
+    """An EP call on an Explicit mesh with a meshless x runs on the mesh's Auto view only when nothing in it asks for
+    the program's devices while lowering (JAX then requires one mesh, axis types included): a choice by device
+    kind does, a choice by platform does not."""
+    from pallas_kernels.platform import choose_at_lowering
+
+    def program(by_platform):
+        branches = (lambda x: x + 1, lambda x: x)
+        return lambda x: choose_at_lowering(lambda platform, kinds: 0, branches, x, by_platform=by_platform)
+
+    run, needs_devices = sharding.traced(program(False), jnp.ones(3))
+    assert needs_devices and run().tolist() == [2.0, 2.0, 2.0]
+    run, needs_devices = sharding.traced(program(True), jnp.ones(3))
+    assert not needs_devices and jax.jit(lambda: run())().tolist() == [2.0, 2.0, 2.0]
+
+
 # -- validation ------------------------------------------------------------------------------------------
 
 

@@ -23,8 +23,8 @@ from moejax.sharding import (
     match_specs,
     meshless,
     operand_specs,
-    requires_devices,
     shard_map,
+    traced,
 )
 from moejax.stats import MoEStats
 
@@ -74,26 +74,28 @@ class ExpertParallel(Dispatch):
         spec = P(self.expert_axis) if self.token_split else P()
         in_specs = (operand_specs(operands, cfg, self.expert_axis, self.tensor_axis), spec)
         out_specs = (spec, self._stat_specs() if with_stats else P())
-        mesh = self.mesh
-        if is_explicit(mesh) and meshless(x):
+        explicit = is_explicit(self.mesh)
+        fn = shard_map(body, self.mesh, in_specs, out_specs)
+        run = lambda: fn(*match_specs((operands, flat), in_specs, self.mesh))
+        if explicit and meshless(x):
             # x's type carries no mesh (a model's activations, made inside its jit outside any mesh context): run
             # on the mesh's Auto view, so that y's type carries none either and meets the model's other arrays
             # (a KV cache made in the same jit) without a sharding type error. Not where a backend asks for the
             # devices while lowering: JAX then wants one mesh across the program (y then carries the mesh).
-            auto = auto_axes(mesh)
-            if not requires_devices(shard_map(body, auto, in_specs, out_specs), operands, flat):
-                mesh = auto
-        fn = shard_map(body, mesh, in_specs, out_specs)
-        outputs, stats = fn(*match_specs((operands, flat), in_specs, mesh))
-        explicit = is_explicit(mesh)
+            on_auto_view, needs_devices = traced(
+                shard_map(body, auto_axes(self.mesh), in_specs, out_specs), operands, flat
+            )
+            if not needs_devices:
+                run, explicit = on_auto_view, False
+        outputs, stats = run()
         if explicit and self.token_split and (padded != T or len(lead) != 1):
             # Explicit sharding types reject slicing off the padding or splitting T back into x's leading dims
             # while T is split unevenly: gather first (the result then follows x's own sharding below).
-            outputs = jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(mesh, P())), outputs)
+            outputs = jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(self.mesh, P())), outputs)
         outputs = jax.tree.map(lambda a: a[:T].reshape(*lead, *a.shape[1:]), outputs)
         if explicit:
             x_spec = P(*tuple(jax.typeof(x).sharding.spec)[: len(lead)])
-            outputs = jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(mesh, x_spec)), outputs)
+            outputs = jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(self.mesh, x_spec)), outputs)
         return outputs, stats
 
     def _stat_specs(self) -> MoEStats:
