@@ -18,10 +18,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from model_layers import MODEL_LAYERS  # this script's directory is on sys.path
 
 import moejax
 from moejax.backends import native
-from moejax.bench import MODEL_LAYERS
 from moejax.lora import LoRAPair, _target_shapes, from_pairs
 
 

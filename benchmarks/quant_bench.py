@@ -38,9 +38,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from model_layers import MODEL_LAYERS  # this script's directory is on sys.path
 
 import moejax
-from moejax.bench import MODEL_LAYERS
 from moejax.quantized import e2m1_to_f32, e8m0_to_f32, format_by_name, quantize_projection
 from moejax.weights import ExpertWeights, expert_fields
 

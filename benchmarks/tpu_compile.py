@@ -32,15 +32,17 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no /tmp/libtpu_lockfile: several processes compile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, also when run as a script
+# This checkout and model_layers, also when imported from its file (tests/test_tpu_compile.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
+from model_layers import MODEL_LAYERS
 
 import moejax
-from moejax.bench import MODEL_LAYERS
 from moejax.quantized import format_by_name
 
 GiB = 1 << 30

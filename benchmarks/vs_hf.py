@@ -50,9 +50,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from model_layers import MODEL_LAYERS  # this script's directory is on sys.path
 
 import moejax
-from moejax.bench import MODEL_LAYERS
 
 try:
     import torch
