@@ -2,8 +2,8 @@
 
 The one-call path: `cfg, params = moejax.hf.load_layer("path/to/model", 3)` reads a checkpoint directory as
 `save_pretrained` writes it (config.json + safetensors shards) and returns the MoE block of layer 3; no key
-prefix to know. `load_layers` does every MoE layer, reading each shard once; `save_layer` writes a block back
-(a transaction: `moejax.hf.transaction`).
+prefix to know. `load_layers` does every MoE layer (`{layer index: (cfg, params)}`), reading each shard once;
+`save_layer` writes a block back (a transaction: `moejax.hf.transaction`).
 Quantized checkpoints (config.json's `quantization_config` or ModelOpt's `hf_quant_config.json`) load with their
 routed experts still quantized (`moejax.quantized`, docs/FORMATS.md) and save back in their own on-disk form.
 
