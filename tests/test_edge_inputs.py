@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from benchmark_scripts import load
 from flax import nnx
 from jax.experimental import checkify
 from multihost_worker import numpy_params
@@ -171,7 +172,9 @@ def test_load_params_rejects_another_config():
     ],
 )
 def test_cli_rejects_non_positive_counts(argv, capsys):
+    """`python -m moejax demo` and benchmarks/plans_bench.py."""
+    command, *args = argv
     with pytest.raises(SystemExit) as exit_info:
-        main(argv)
+        main(argv) if command == "demo" else load("plans_bench").main(args)
     assert exit_info.value.code == 2
     assert "must be >= 1" in capsys.readouterr().err
