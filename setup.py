@@ -6,6 +6,7 @@ variant is compiled with `#pragma GCC target` and chosen at load. MOEJAX_NATIVE_
 AddressSanitizer and UndefinedBehaviorSanitizer (tests only: run Python with LD_PRELOAD of libasan).
 """
 
+import glob
 import os
 import platform
 from concurrent.futures import ThreadPoolExecutor
@@ -63,24 +64,7 @@ def _native_extensions() -> list[Extension]:
                 "csrc/scores_cpu.cc",
             ],
             include_dirs=["csrc"],
-            depends=[
-                "csrc/moe_job.h",
-                "csrc/act8.inc",
-                "csrc/act8_kernels.inc",
-                "csrc/act8_group_avx2.inc",
-                "csrc/kernels.inc",
-                "csrc/kernels_inout.inc",
-                "csrc/kernels_outin.inc",
-                "csrc/vec_avx2.inc",
-                "csrc/vec_avx512.inc",
-                "csrc/vec_generic.inc",
-                "csrc/target.h",
-                "csrc/linear_kernel.inc",
-                "csrc/lora.inc",
-                "csrc/lora_kernels.inc",
-                "csrc/parallel.inc",
-                "csrc/scalar.inc",
-            ],
+            depends=sorted(glob.glob("csrc/*.h") + glob.glob("csrc/*.inc")),  # a header edit rebuilds it
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             language="c++",

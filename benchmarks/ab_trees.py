@@ -30,10 +30,10 @@ def measure(calls: int) -> dict[str, float]:
     import numpy as np
 
     import moejax
-    from moejax.bench import MODEL_LAYERS
     from moejax.weights import to_layout
 
-    cfg = MODEL_LAYERS["qwen3-30b-a3b"]
+    # The Qwen3-30B-A3B layer (benchmarks/model_layers.py), spelled out: any checkout's moejax builds it.
+    cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=2048, num_experts=128, top_k=8, intermediate_size=768)
     params = moejax.init_params(cfg, jax.random.key(0), jnp.float32)
     per_expert = dataclasses.replace(params, experts=to_layout(params.experts, "per_expert"))
     out = {}

@@ -24,10 +24,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from model_layers import MODEL_LAYERS  # this script's directory is on sys.path
 
 import moejax
 from moejax.backends import native
-from moejax.bench import MODEL_LAYERS
 from moejax.experts import Slots
 from moejax.quantized import format_by_name, quantize_experts
 from moejax.weights import ExpertWeights

@@ -17,11 +17,11 @@ import time
 
 import jax
 import jax.numpy as jnp
+from model_layers import MODEL_LAYERS  # this script's directory is on sys.path
 from quant_bench import FORMATS  # the formats quant_bench times (this script's directory is on sys.path)
 
 import moejax
 from moejax.backends import native
-from moejax.bench import MODEL_LAYERS
 
 
 def compile_seconds(cfg: moejax.MoEConfig, params, x) -> tuple[float, float]:
@@ -55,7 +55,7 @@ def main() -> None:
             for on in (True, False):
                 native.enable(on)
                 try:
-                    impl = moejax.forward.chosen_impl(params, x, cfg)
+                    impl = moejax.chosen_impl(params, x, cfg)
                     runs = [compile_seconds(cfg, params, x) for _ in range(args.repeats)]
                 finally:
                     native.enable(None)

@@ -124,7 +124,7 @@ def compile_times() -> None:
             start = time.perf_counter()
             forward.lower(params, x, cfg).compile()
             seconds = time.perf_counter() - start
-            impl = moejax.forward.chosen_impl(params, x, cfg)
+            impl = moejax.chosen_impl(params, x, cfg)
             print(f"compile E=256 {jnp.dtype(dtype).name} T={T} ({impl}): {seconds:.1f} s", flush=True)
 
 

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moejax
-from moejax import parallel
+from moejax import dispatch, parallel, sharding
 
 TOKENS = (1, 8, 512)
 
@@ -51,7 +51,7 @@ def _time(fn, *args, repeats: int) -> float:
 
 def all_to_all_rounds(params, x, cfg: moejax.MoEConfig, n: int) -> int:
     """Rounds "all_to_all" mode runs for this routing: the busiest (source, destination) block's visits (tokens with
-    a slot on the destination) over the rows a block holds per round (`parallel.all_to_all_capacity`)."""
+    a slot on the destination) over the rows a block holds per round (`dispatch.all_to_all_capacity`)."""
     T = x.shape[0]
     T_l = -(-T // n)
     indices = np.asarray(moejax.route(params, x, cfg).indices)  # [T, K]
@@ -59,7 +59,7 @@ def all_to_all_rounds(params, x, cfg: moejax.MoEConfig, n: int) -> int:
     visits = np.zeros((n, n + 1), np.int64)  # [source, destination]
     for t in range(T):
         visits[t // T_l, np.unique(owner[t])] += 1
-    rows, _ = parallel.all_to_all_capacity(cfg, T, n, parallel.CAPACITY_FACTOR)
+    rows, _ = dispatch.all_to_all_capacity(cfg, T, n, dispatch.CAPACITY_FACTOR)
     return int(-(-visits[:, :n].max() // rows))
 
 
@@ -76,19 +76,19 @@ def run(args: argparse.Namespace) -> list[dict]:
     mesh = jax.make_mesh((n,), ("expert",))
     dtype = jnp.dtype(args.dtype)
     params = moejax.init_params(cfg, jax.random.key(0), dtype)
-    sharded = parallel.shard_params(params, cfg, mesh)
+    sharded = sharding.shard_params(params, cfg, mesh)
     single = jax.jit(functools.partial(moejax.moe_forward, cfg=cfg))
     row_bytes = cfg.hidden_size * dtype.itemsize + 2 * cfg.top_k * 4 + cfg.hidden_size * 4  # out + meta + back
     rows = []
     for T in TOKENS:
         x = jax.random.normal(jax.random.key(T), (T, cfg.hidden_size), jnp.float32).astype(dtype)
         single_ms = _time(single, params, x, repeats=args.repeats)
-        for mode in parallel.EP_MODES:
+        for mode in dispatch.EP_MODES:
             spec = P() if mode == "replicated" else (P("expert") if T % n == 0 else P())
             x_placed = jax.device_put(x, NamedSharding(mesh, spec))
             ep = functools.partial(parallel.moe_forward_ep, cfg=cfg, mesh=mesh, mode=mode)
             ms = _time(jax.jit(ep), sharded, x_placed, repeats=args.repeats)
-            stats = jax.jit(functools.partial(ep, return_stats=True))(sharded, x_placed)[1]
+            stats = jax.jit(functools.partial(ep, return_stats=True))(sharded, x_placed).stats
             sizes = parallel.communication_bytes(cfg, T, mode=mode, expert_size=n, dtype=dtype)
             ragged = None if mode == "replicated" else round(float(np.mean(stats.remote_rows)) * row_bytes)
             rounds = None if mode == "replicated" else all_to_all_rounds(params, x, cfg, n)

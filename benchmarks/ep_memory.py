@@ -6,7 +6,7 @@ For each size n of the expert axis it compiles the jitted EP forward (x split ov
 `shard_params`) and prints XLA's `memory_analysis()` of the compiled program: temporary bytes (buffers that live
 only during the call: dispatch buffers, the plan's work arrays), argument and output bytes, all per device, with
 the bytes one device sends per call (`moejax.parallel.communication_bytes`) and the buffer sizes of
-`moejax.parallel.all_to_all_capacity` (rows C per block and round, pairs P per compute chunk). Nothing is run:
+`moejax.dispatch.all_to_all_capacity` (rows C per block and round, pairs P per compute chunk). Nothing is run:
 compiling is enough.
 """
 
@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moejax
-from moejax import parallel
+from moejax import dispatch, parallel, sharding
 from moejax.params import with_experts_layout
 
 DEVICES = (1, 2, 4, 8)
@@ -42,7 +42,7 @@ def run_ms(compiled, cfg: moejax.MoEConfig, num_tokens: int, mesh, dtype: jnp.dt
     """Median wall time in ms of the compiled forward on `init_params` weights and random tokens (all n devices
     share the host's cores: this follows the total work, not a multi-device speed-up)."""
     params = with_experts_layout(moejax.init_params(cfg, jax.random.key(0), dtype=dtype), "stacked")
-    params = parallel.shard_params(params, cfg, mesh)
+    params = sharding.shard_params(params, cfg, mesh)
     x = jax.random.normal(jax.random.key(1), (num_tokens, cfg.hidden_size), dtype)
     x = jax.device_put(x, NamedSharding(mesh, P("expert")))
     jax.block_until_ready(compiled(params, x))
@@ -63,7 +63,7 @@ def measure(cfg: moejax.MoEConfig, num_tokens: int, n: int, dtype: jnp.dtype, ru
     params = jax.tree.map(
         lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=NamedSharding(mesh, s)),
         params,
-        parallel.param_specs(cfg),
+        sharding.partition_specs(cfg),
     )
     x = jax.ShapeDtypeStruct((num_tokens, cfg.hidden_size), dtype, sharding=NamedSharding(mesh, P("expert")))
     fn = jax.jit(functools.partial(parallel.moe_forward_ep, cfg=cfg, mesh=mesh, mode="all_to_all"))
@@ -72,7 +72,7 @@ def measure(cfg: moejax.MoEConfig, num_tokens: int, n: int, dtype: jnp.dtype, ru
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
     sent = parallel.communication_bytes(cfg, num_tokens, mode="all_to_all", expert_size=n, dtype=dtype)
-    rows, pairs = parallel.all_to_all_capacity(cfg, num_tokens, n, parallel.CAPACITY_FACTOR)
+    rows, pairs = dispatch.all_to_all_capacity(cfg, num_tokens, n, dispatch.CAPACITY_FACTOR)
     return {
         "devices": n,
         "rows_per_block": rows,

@@ -21,11 +21,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from model_layers import MODEL_LAYERS, Layer  # this script's directory is on sys.path
 
 import pallas_kernels
 from moejax.backends import pallas as kernel_plans
 from moejax.backends import xla as plans
-from moejax.bench import MODEL_LAYERS, Layer
 from moejax.config import MoEConfig
 from moejax.experts import Slots, combine_slots, expert_activation, slots_from_routing
 from moejax.params import init_params

@@ -27,9 +27,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from model_layers import MODEL_LAYERS  # this script's directory is on sys.path
 
 import moejax
-from moejax.bench import MODEL_LAYERS
 from moejax.config import SharedExpert
 from moejax.lora import ExpertLoRA, LoRAPair, LoRAParams, SharedLoRA, from_pairs, stack
 

@@ -18,14 +18,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from model_layers import MODEL_LAYERS  # this script's directory is on sys.path
 
 import moejax
 from moejax.backends import native
-from moejax.bench import MODEL_LAYERS
 from moejax.lora import LoRAPair, _target_shapes, from_pairs
 
 
-def adapter_stack(cfg, n: int, rank: int, key) -> moejax.LoRAParams:
+def adapter_stack(cfg, n: int, rank: int, key) -> moejax.lora.LoRAParams:
     """A stack of n random adapters of one rank on every target of `cfg` (`a [n+1, ..., r, in]`, id 0 zeros)."""
     pairs = {}
     for i, (name, (lead, n_in, n_out)) in enumerate(_target_shapes(cfg).items()):
@@ -67,7 +67,7 @@ def main() -> None:
         ran = {}
         for name, (lo, i, impl) in cases.items():  # compile first
             step(params, x, lo, i, impl).block_until_ready()
-            ran[name] = moejax.forward.chosen_impl(params, x, cfg, impl=impl, lora=lo)
+            ran[name] = moejax.chosen_impl(params, x, cfg, impl=impl, lora=lo)
         best = dict.fromkeys(cases, float("inf"))
         for _ in range(args.rounds):  # interleaved: a shared machine's load falls on every case alike
             for name, (lo, i, impl) in cases.items():

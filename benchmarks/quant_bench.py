@@ -38,9 +38,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from model_layers import MODEL_LAYERS  # this script's directory is on sys.path
 
 import moejax
-from moejax.bench import MODEL_LAYERS
 from moejax.quantized import e2m1_to_f32, e8m0_to_f32, format_by_name, quantize_projection
 from moejax.weights import ExpertWeights, expert_fields
 
@@ -282,7 +282,7 @@ def main() -> None:
         x_dtype = jnp.bfloat16 if name == "bfloat16" else jnp.float32  # quantized: float32 x, one-row products
         for impl in args.impls:
             step(params, xs[0].astype(x_dtype), impl).block_until_ready()
-            ran = moejax.forward.chosen_impl(params, xs[0][0].astype(x_dtype), cfg, impl=impl)
+            ran = moejax.chosen_impl(params, xs[0][0].astype(x_dtype), cfg, impl=impl)
             cases[name, impl] = (held, x_dtype, nbytes / bf16_bytes, ran, [])
     for n, x in enumerate(xs[1:]):  # interleaved rounds: a shared CPU's load falls on every format alike
         for (_, impl), (held, x_dtype, _, _, times) in cases.items():

@@ -31,15 +31,17 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no /tmp/libtpu_lockfile: several processes compile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, also when run as a script
+# This checkout and model_layers, also when imported from its file (tests/test_tpu_compile.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
+from model_layers import MODEL_LAYERS
 
 import moejax
-from moejax.bench import MODEL_LAYERS
 from moejax.quantized import format_by_name
 
 GiB = 1 << 30
@@ -139,7 +141,8 @@ def compile_ep(cfg: moejax.MoEConfig, T: int, mode: str, impl: str, chip_name: s
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from moejax.parallel import moe_forward_ep, param_specs
+    from moejax.parallel import moe_forward_ep
+    from moejax.sharding import partition_specs
 
     topology, hbm = CHIPS[chip_name]
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
@@ -148,7 +151,7 @@ def compile_ep(cfg: moejax.MoEConfig, T: int, mode: str, impl: str, chip_name: s
     try:
         params = jax.eval_shape(lambda k: moejax.init_params(cfg, k, jnp.bfloat16, layout="stacked"), jax.random.key(0))
         place = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
-        params = jax.tree.map(place, params, param_specs(cfg))
+        params = jax.tree.map(place, params, partition_specs(cfg))
         x_spec = P() if mode == "replicated" else P("expert")
         x = jax.ShapeDtypeStruct((T, cfg.hidden_size), jnp.bfloat16, sharding=NamedSharding(mesh, x_spec))
         fn = jax.jit(lambda p, x: moe_forward_ep(p, x, cfg, mesh=mesh, mode=mode, impl=impl))

@@ -48,9 +48,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from model_layers import MODEL_LAYERS  # this script's directory is on sys.path
 
 import moejax
-from moejax.bench import MODEL_LAYERS
 
 try:
     import torch
@@ -104,7 +104,7 @@ def _deepseek_kwargs(cfg: moejax.MoEConfig) -> dict[str, Any]:
     }
 
 
-# layer name (moejax.bench.MODEL_LAYERS) -> (HF model_type, HF MoE block class, HF config kwargs from the cfg)
+# layer name (model_layers.MODEL_LAYERS) -> (HF model_type, HF MoE block class, HF config kwargs from the cfg)
 HF_BLOCKS: dict[str, tuple[str, str, Callable[[moejax.MoEConfig], dict[str, Any]]]] = {
     "qwen3-30b-a3b": ("qwen3_moe", "Qwen3MoeSparseMoeBlock", _qwen3_kwargs),
     "mixtral-8x7b": ("mixtral", "MixtralSparseMoeBlock", _mixtral_kwargs),

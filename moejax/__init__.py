@@ -11,9 +11,8 @@ from moejax.config import (
     Scoring,
     SharedExpert,
 )
-from moejax.forward import IMPLS, checked_moe_forward, moe_forward
+from moejax.forward import IMPLS, MoEOutput, checked_moe_forward, chosen_impl, moe_forward
 from moejax.layer import LoRAParam, MoE
-from moejax.lora import LoRAParams
 from moejax.params import ExpertWeights, MoEParams, RouterParams, SharedParams, init_params
 from moejax.quantized import dequantize, quantize
 from moejax.routing import Routing, route
@@ -26,9 +25,9 @@ __all__ = [
     "ClampOrder",
     "ExpertWeights",
     "LoRAParam",
-    "LoRAParams",
     "MoE",
     "MoEConfig",
+    "MoEOutput",
     "MoEParams",
     "MoEStats",
     "RouterParams",
@@ -39,6 +38,7 @@ __all__ = [
     "SharedExpert",
     "SharedParams",
     "checked_moe_forward",
+    "chosen_impl",
     "dequantize",
     "dispatch",
     "hf",

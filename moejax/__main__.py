@@ -1,4 +1,4 @@
-"""Command line: `python -m moejax demo [--family NAME]` and `python -m moejax bench [...]`."""
+"""Command line: `python -m moejax demo [--family NAME]` (benchmarks: benchmarks/plans_bench.py and its neighbours)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def demo(family: str, decode_rows: int, prefill_rows: int, seed: int) -> None:
         y.block_until_ready()
         step = (time.perf_counter() - start) / 5
         routing = moejax.route(params, x, cfg, tid)
-        plan = moejax.forward.chosen_impl(params, x, cfg, tid)
+        plan = moejax.chosen_impl(params, x, cfg, tid)
         print(f"\n{name}: T={T} plan={plan} first call (compile+run) {compiled * 1e3:.0f} ms, step {step * 1e3:.2f} ms")
         for t in range(min(T, 4)):
             ids = ", ".join(
@@ -55,9 +55,18 @@ def demo(family: str, decode_rows: int, prefill_rows: int, seed: int) -> None:
         print(f"  max |y - reference| = {float(jnp.max(jnp.abs(y - ref))):.2e}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    from moejax.bench import add_arguments, positive_int
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (row counts); anything else is a usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moejax", description="moejax: Mixture-of-Experts in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser(
@@ -75,15 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--decode-rows", type=positive_int, default=4)
     p_demo.add_argument("--prefill-rows", type=positive_int, default=256)
     p_demo.add_argument("--seed", type=int, default=0)
-    p_bench = sub.add_parser("bench", help="benchmark the XLA plans against measured ceilings")
-    add_arguments(p_bench)
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        demo(args.family, args.decode_rows, args.prefill_rows, args.seed)
-    else:
-        from moejax.bench import run
-
-        run(args)
+    demo(args.family, args.decode_rows, args.prefill_rows, args.seed)
     return 0
 
 

@@ -110,6 +110,8 @@ class MoEConfig:
       routed_scaling_factor, scaling_target: multiply the weights or the routed sum by a constant.
       per_expert_scale: multiply each weight by a learned per-expert scale (Gemma-4).
       router_prenorm: the router sees `rmsnorm(x) * scale / sqrt(H)` (Gemma-4), with `rms_norm_eps`.
+      rms_norm_eps: the epsilon of the RMSNorms of `router_prenorm` and `expert_prenorm` (needed by them, None
+        without them: a config never holds an epsilon its math does not use).
       num_zero_experts: LongCat's zero-computation experts: ids E..E+Z-1 return their input (`w * x`).
       hash_routing, vocab_size: expert ids come from a `[vocab_size, K]` table indexed by token id
         (DeepSeek-V4 hash layers); the weights are still the router's scores of those experts.
@@ -143,7 +145,7 @@ class MoEConfig:
     scaling_target: ScalingTarget = ScalingTarget.WEIGHTS
     per_expert_scale: bool = False
     router_prenorm: bool = False
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float | None = None
     num_zero_experts: int = 0
     hash_routing: bool = False
     vocab_size: int | None = None
@@ -208,7 +210,12 @@ class MoEConfig:
             fail("norm_epsilon", "must be a finite float >= 0")
         if not math.isfinite(self.routed_scaling_factor):
             fail("routed_scaling_factor", "must be finite")
-        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
+        prenorm = self.router_prenorm or self.expert_prenorm
+        if prenorm and self.rms_norm_eps is None:
+            fail("rms_norm_eps", "router_prenorm / expert_prenorm need their RMSNorm's epsilon")
+        if not prenorm and self.rms_norm_eps is not None:
+            fail("rms_norm_eps", "only router_prenorm / expert_prenorm read it: leave it None")
+        if prenorm and not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
             fail("rms_norm_eps", "must be a finite float > 0")
         if not math.isfinite(self.swiglu_alpha):
             fail("swiglu_alpha", "must be finite")
@@ -353,6 +360,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "per_expert_scale": True,
         "router_prenorm": True,
         "expert_prenorm": True,
+        "rms_norm_eps": 1e-6,  # Gemma4TextConfig's default
         "activation": Activation.GELU_TANH,
         "router_dtype": "input",
     },

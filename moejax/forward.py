@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from moejax.backends import IMPLS, resolve_impl, run_routed
+from moejax.backends import BACKENDS, IMPLS, candidates, resolve_impl, run_routed
 from moejax.backends.native_layer import LayerOps, layer_ops
 from moejax.backends.xla import grouped_block_rows
 from moejax.config import MoEConfig, ScalingTarget
@@ -31,7 +31,27 @@ from moejax.stats import MoEStats
 from moejax.weights import Experts
 
 Array = jax.Array
-__all__ = ["IMPLS", "checked_moe_forward", "chosen_impl", "moe_forward", "moe_forward_with_checks"]
+__all__ = ["IMPLS", "MoEOutput", "checked_moe_forward", "chosen_impl", "moe_forward", "moe_forward_with_checks"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEOutput:
+    """What an MoE call returns when extras are asked for (`return_stats=True` and/or `return_routing=True`);
+    without them the call returns `y` alone. A pytree: it passes through `jax.jit`, `jax.lax.scan` and
+    `jax.tree.map`."""
+
+    y: Array  # [..., H] the block's output, in x's dtype
+    stats: MoEStats | None = None  # the call's routing statistics (on device) when return_stats=True, else None
+    routing: Routing | None = None  # the routing used ([T, ...] rows) when return_routing=True, else None
+
+
+def as_output(y: Array, stats: MoEStats | None, routing: Routing | None, *, return_stats: bool, return_routing: bool):
+    """The one return rule of every entry point: `y` when no extras are asked for, else a `MoEOutput` holding
+    the extras asked for (the others None)."""
+    if not (return_stats or return_routing):
+        return y
+    return MoEOutput(y, stats if return_stats else None, routing if return_routing else None)
 
 
 def check_inputs(params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array | None) -> None:
@@ -62,7 +82,7 @@ def check_lora_inputs(lora: LoRAParams | None, adapter_ids, x: Array, cfg: MoECo
     if adapter_ids is None:
         raise ValueError(f"lora given without adapter_ids: pass int32 ids of shape x.shape[:-1]={tuple(x.shape[:-1])}")
     if not isinstance(lora, LoRAParams):
-        raise TypeError(f"lora must be a moejax.LoRAParams stack (moejax.lora.stack), got {type(lora).__name__}")
+        raise TypeError(f"lora must be a moejax.lora.LoRAParams stack (moejax.lora.stack), got {type(lora).__name__}")
     if not lora.is_stack:
         raise ValueError(
             "lora is one adapter, not a stack: moe_forward takes stacked adapters with per-row ids; "
@@ -91,7 +111,7 @@ def moe_forward(
     routing: Routing | None = None,
     return_routing: bool = False,
     dispatch: Dispatch | None = None,
-) -> Array | tuple:
+) -> Array | MoEOutput:
     """The MoE block: `x [..., H]` -> `[..., H]` in x's dtype. Pure and jit-able (`cfg`, `impl`, `dispatch` static).
 
     1. Route (`moejax.route`), or take the given `routing`.  2. Routed sum `Σ_k w_k·E_k(x_e)` (x_e = x, or
@@ -100,8 +120,9 @@ def moe_forward(
     x_e` (LongCat).  5. `+ shared(x_e)`, sigmoid-gated where the family gates it.  6. Cast to x's dtype. The routed
     experts may be in either layout (`moejax.weights`): stacked or per-expert.
 
-    Returns `y`, then the call's `MoEStats` (on device) when `return_stats`, then the `Routing` used when
-    `return_routing` (a tuple when either is asked for).
+    Returns `y [..., H]`; with `return_stats=True` and/or `return_routing=True`, a `MoEOutput` instead: `.y`,
+    `.stats` (the call's `MoEStats`, on device) and `.routing` (the `Routing` used), each extra None unless asked
+    for.
 
     Routing replay: `routing` (a `moejax.Routing` as `route` or `return_routing=True` returns it: `indices [T, K]`
     integer, `weights [T, K]` float, `zero_weight [T]` for families with zero experts, else None; T = rows of x;
@@ -158,8 +179,7 @@ def moe_forward(
         )
         outputs, stats = dispatch.run(body, operands, rows, cfg=cfg, with_stats=return_stats)
         used = routing if routing is not None else _flat_routing(outputs.get("routing"), x.shape[:-1])
-    result = (outputs["y"],) + ((stats,) if return_stats else ()) + ((used,) if return_routing else ())
-    return result if len(result) > 1 else result[0]
+    return as_output(outputs["y"], stats, used, return_stats=return_stats, return_routing=return_routing)
 
 
 def _pipeline(operands, rows, *, cfg, impl, dispatch, num_tokens, with_stats, with_routing):
@@ -289,9 +309,17 @@ def _expert_operands(params, lora, rows: dict[str, Array], routing: Routing | No
     return routing, expert_input(params, rows["x"], cfg), slots_from_routing(routing, cfg, adapter)
 
 
-def chosen_impl(params, x, cfg, token_ids=None, impl="auto", *, lora=None) -> str:
-    """The routed-expert backend `moe_forward(params, x, cfg, token_ids, impl, lora=lora, ...)` runs, for its
-    arguments and types (traced abstractly: nothing is computed; params and x may be `jax.ShapeDtypeStruct`s)."""
+def chosen_impl(params, x, cfg, token_ids=None, impl="auto", *, lora=None, platform: str | None = None) -> str:
+    """The routed-expert backend `moe_forward(params, x, cfg, token_ids, impl, lora=lora)` runs in a program
+    lowered for `platform` ("cpu", "cuda", "rocm", "tpu"; default: JAX's default backend), e.g. "native",
+    "cpu_grouped", "xla_decode", "ragged", "pallas_grouped" (`moejax.IMPLS` lists them).
+
+    Nothing is computed: the call is traced abstractly (params and x may be `jax.ShapeDtypeStruct`s), and the
+    choices "auto" makes while lowering (the native kernels on CPU, `ragged_dot` on TPU/GPU, the Pallas kernels on
+    validated devices) are lowered for `platform` alone. Expert parallelism runs the same choice on each device's
+    rows. Raises `NotImplementedError` when no backend serves the call, as the forward would.
+    """
+    platform = platform or jax.default_backend()
 
     def inputs(params, x, token_ids):
         rows = {"x": x.reshape(-1, cfg.hidden_size)}
@@ -303,7 +331,29 @@ def chosen_impl(params, x, cfg, token_ids=None, impl="auto", *, lora=None) -> st
 
     x_e, slots = jax.eval_shape(inputs, params, x, token_ids)
     experts = adapt(params.experts, None if lora is None else lora.experts)
-    return resolve_impl(impl, experts, x_e, slots, expert_activation(cfg))
+    act = expert_activation(cfg)
+    first = resolve_impl(impl, experts, x_e, slots, act)
+    if impl != "auto":
+        return first
+    names = candidates(impl, *slots.indices.shape)
+    for name in names[names.index(first) :]:
+        try:
+            resolve_impl(name, experts, x_e, slots, act)
+        except NotImplementedError:
+            continue
+        chooser = BACKENDS[name].chooser
+        if chooser is None or _chosen_when_lowered(chooser, (experts, x_e, slots), platform):
+            return name
+    raise NotImplementedError(f"impl={impl!r}: no implementation serves this call on {platform}")
+
+
+def _chosen_when_lowered(chooser, operands, platform: str) -> bool:
+    """Whether `chooser(run, fallback, *operands)` keeps `run` in a program lowered for `platform` (each branch
+    replaced by a constant that marks it in the lowered text)."""
+    run, fallback = 7_340_033, 5_242_883
+    pick = lambda *ops: chooser(lambda *_: jnp.int32(run), lambda *_: jnp.int32(fallback), *ops)
+    text = jax.jit(pick).trace(*operands).lower(lowering_platforms=(platform,)).as_text()
+    return f"dense<{run}>" in text
 
 
 def expert_input(params: MoEParams, x: Array, cfg: MoEConfig) -> Array:

@@ -19,7 +19,7 @@ LoRA adapters (`moejax.lora`): `MoE(cfg, ..., lora=stack)` or `layer.set_lora(st
 the adapters only (`nnx.Param` does not match them, so an optimizer over the base weights leaves them alone).
 Under a mesh the stack is placed by `moejax.sharding.shard_lora` (each expert's adapters with the expert).
 
-Routing statistics (`moejax.stats.MoEStats`): `layer(x, return_stats=True)` returns them with the output; with
+Routing statistics (`moejax.stats.MoEStats`): `layer(x, return_stats=True).stats` (a `moejax.MoEOutput`); with
 `collect_stats=True` every call adds them to the layer's `stats` variable (`MoEStatsVariable`, not a parameter),
 so under `nnx.jit` and inside jitted loops (`nnx.fori_loop`, `nnx.scan`) they accumulate on device over steps.
 """
@@ -36,10 +36,11 @@ from flax import nnx
 from moejax import sharding
 from moejax.config import MoEConfig
 from moejax.dispatch import EP_MODES, EPMode, expert_parallel
-from moejax.forward import IMPLS, moe_forward
+from moejax.forward import IMPLS, MoEOutput, as_output, moe_forward
 from moejax.lora import LoRAPair, LoRAParams, check_lora, from_pairs
 from moejax.params import BUFFERS, MoEParams, check_params, flatten, init_params, specs_of, unflatten
 from moejax.placement import Placement
+from moejax.routing import Routing
 from moejax.stats import MoEStats
 from moejax.weights import LAYOUTS, ExpertFormat, ExpertWeights, Layout, default_layout, format_of, to_layout
 
@@ -90,9 +91,10 @@ class MoE(nnx.Module):
       collect_stats: add every call's `MoEStats` to `self.stats` (a `MoEStatsVariable`, starting from zeros).
       lora: optional adapter stack (`moejax.lora.stack`), as `set_lora` takes it.
 
-    `layer(x, token_ids=None, *, adapter_ids=None, return_stats=False)` maps `x [..., H]` to `[..., H]` in x's
-    dtype (and the call's `MoEStats` with `return_stats=True`); `adapter_ids [...]` int32 picks each row's adapter
-    of the layer's stack (0: none); works under `nnx.jit`.
+    `layer(x, token_ids=None, *, adapter_ids=None, return_stats=False, routing=None, return_routing=False)` maps
+    `x [..., H]` to `[..., H]` in x's dtype, or to a `moejax.MoEOutput` with `return_stats` and/or
+    `return_routing` (as `moe_forward`); `adapter_ids [...]` int32 picks each row's adapter of the layer's stack
+    (0: none); works under `nnx.jit`.
     """
 
     def __init__(
@@ -225,7 +227,7 @@ class MoE(nnx.Module):
             self.lora = nnx.data(None)
             return
         if not isinstance(lora, LoRAParams):
-            raise TypeError(f"lora must be a moejax.LoRAParams stack, got {type(lora).__name__}")
+            raise TypeError(f"lora must be a moejax.lora.LoRAParams stack, got {type(lora).__name__}")
         if not lora.is_stack:
             raise ValueError("lora is one adapter; the layer holds a stack: moejax.lora.stack([adapter, ...])")
         check_lora(lora, self.cfg)
@@ -279,7 +281,11 @@ class MoE(nnx.Module):
         *,
         adapter_ids: Array | None = None,
         return_stats: bool = False,
-    ) -> Array | tuple[Array, MoEStats]:
+        routing: Routing | None = None,
+        return_routing: bool = False,
+    ) -> Array | MoEOutput:
+        """`moe_forward` with the layer's parameters, adapters and dispatch: `y [..., H]`, or a `moejax.MoEOutput`
+        with `return_stats` and/or `return_routing` (the same rule and keywords as `moe_forward`)."""
         with_stats = return_stats or self.collect_stats
         lora = None
         if adapter_ids is not None:
@@ -295,11 +301,14 @@ class MoE(nnx.Module):
             lora=lora,
             adapter_ids=adapter_ids,
             return_stats=with_stats,
+            routing=routing,
+            return_routing=return_routing,
             dispatch=self.dispatch,
         )
-        if not with_stats:
+        if not (with_stats or return_routing):
             return result
-        y, stats = result
         if self.collect_stats:
-            self.stats.set_value(_accumulate(self.stats.get_value(), stats))
-        return (y, stats) if return_stats else y
+            self.stats.set_value(_accumulate(self.stats.get_value(), result.stats))
+        return as_output(
+            result.y, result.stats, result.routing, return_stats=return_stats, return_routing=return_routing
+        )

@@ -167,7 +167,7 @@ def stack(adapters: Sequence[LoRAParams]) -> LoRAParams:
         raise ValueError("stack: needs at least one adapter")
     for i, adapter in enumerate(adapters):
         if not isinstance(adapter, LoRAParams):
-            raise TypeError(f"stack: adapter {i} is a {type(adapter).__name__}, expected moejax.LoRAParams")
+            raise TypeError(f"stack: adapter {i} is a {type(adapter).__name__}, expected moejax.lora.LoRAParams")
         if adapter.is_stack:
             raise ValueError(f"stack: adapter {i} is already a stack; pass single adapters")
     names = sorted({name for a in adapters for name in a.pairs()})
@@ -368,7 +368,7 @@ def check_lora(lora: LoRAParams, cfg) -> None:
     (hidden size, experts, intermediate sizes, N = num_selectable for the router), ranks of A and B that differ,
     and a stack whose targets disagree on the number of adapters. Shape-only: safe on tracers."""
     if not isinstance(lora, LoRAParams):
-        raise TypeError(f"lora must be a moejax.LoRAParams (moejax.lora.stack of adapters), got {type(lora).__name__}")
+        raise TypeError(f"lora must be a moejax.lora.LoRAParams (a moejax.lora.stack), got {type(lora).__name__}")
     allowed = _target_shapes(cfg)
     pairs = lora.pairs()
     stacked = lora.is_stack

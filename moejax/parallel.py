@@ -1,6 +1,7 @@
 """Expert parallelism (EP) and tensor parallelism (TP) of the MoE block: `moe_forward_ep` (a thin alias of
-`moejax.moe_forward` with an EP dispatch, `moejax.dispatch`), the placement of the parameters on a mesh
-(`moejax.sharding`, re-exported here) and the communication volume of the two EP modes."""
+`moejax.moe_forward` with an EP dispatch, `moejax.dispatch`) and the communication volume of the two EP modes.
+The placement of the parameters on a mesh is `moejax.sharding` (`shard_params`, `shard_lora`, `partition_specs`);
+the modes and their buffers are `moejax.dispatch` (`EP_MODES`, `all_to_all_capacity`)."""
 
 from __future__ import annotations
 
@@ -11,52 +12,15 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from moejax.config import MoEConfig, SharedExpert
-from moejax.dispatch import (
-    CAPACITY_FACTOR,
-    EP_MODES,
-    EPMode,
-    all_to_all_capacity,
-    expert_parallel,
-    localize,
-)
-from moejax.forward import ExpertStep, add_once_terms, moe_forward
+from moejax.dispatch import CAPACITY_FACTOR, EP_MODES, EPMode, all_to_all_capacity, expert_parallel
+from moejax.forward import ExpertStep, MoEOutput, add_once_terms, moe_forward
 from moejax.lora import ExpertLoRA, LoRAParams
 from moejax.placement import Placement
-from moejax.sharding import (
-    check_kernels_can_run,
-    check_mesh,
-    logical_axis_rules,
-    lora_specs,
-    partition_specs,
-    runs_replicated,
-    shard_lora,
-    shard_params,
-)
-from moejax.stats import MoEStats
+from moejax.routing import Routing
 
 Array = jax.Array
-param_specs = partition_specs  # the name before moejax.params.param_specs was renamed array_specs
 
-__all__ = [
-    "CAPACITY_FACTOR",
-    "EP_MODES",
-    "EPMode",
-    "add_once",
-    "all_to_all_capacity",
-    "check_kernels_can_run",
-    "check_mesh",
-    "communication_bytes",
-    "localize",
-    "logical_axis_rules",
-    "lora_specs",
-    "moe_forward_ep",
-    "param_specs",
-    "partial_routed_sum",
-    "partition_specs",
-    "runs_replicated",
-    "shard_lora",
-    "shard_params",
-]
+__all__ = ["add_once", "communication_bytes", "moe_forward_ep", "partial_routed_sum"]
 
 
 def moe_forward_ep(
@@ -75,7 +39,9 @@ def moe_forward_ep(
     capacity_factor: float = CAPACITY_FACTOR,
     lora: LoRAParams | None = None,
     adapter_ids: Array | None = None,
-) -> Array | tuple[Array, MoEStats]:
+    routing: Routing | None = None,
+    return_routing: bool = False,
+) -> Array | MoEOutput:
     """`moejax.moe_forward` with the routed experts split over `expert_axis` of `mesh`. Jit-able.
 
     The same as `moe_forward(params, x, cfg, token_ids, impl, dispatch=moejax.dispatch.expert_parallel(mode,
@@ -95,6 +61,8 @@ def moe_forward_ep(
       impl: routed implementation as in `moe_forward` ("auto" picks the decode plan for at most 8 rows).
       return_stats: also return the call's routing statistics, `moejax.stats.MoEStats` (per-device fields over
         the expert axis), computed on device.
+      routing: a `moejax.Routing` to replay instead of routing (as in `moe_forward`).
+      return_routing: also return the `moejax.Routing` used.
       placement: a `moejax.placement.Placement` over the expert axis; `params` then hold the experts in its slot
         order (`shard_params(..., placement=placement)`, which records it in `params.placement`; another one
         raises), and each pair runs on one replica of its expert. Static (hashable): a new placement compiles a
@@ -106,7 +74,9 @@ def moe_forward_ep(
       adapter_ids: `[...]` int32 adapter id of each row (0: none; ids outside [0, n] count as 0), with `lora`. In
         "all_to_all" mode each dispatched row carries its id.
     Returns:
-      `[..., H]` in x's dtype (and `MoEStats` when `return_stats`).
+      `y [..., H]` in x's dtype, with x's sharding type (on a mesh with Explicit axes, x made without a mesh
+      gives y without one); with `return_stats` and/or `return_routing`, a `moejax.MoEOutput` (`.y`, `.stats`,
+      `.routing`) as `moe_forward` returns it.
 
     Raises:
       ValueError: unknown mode or impl, a mesh axis missing, E not divisible by the expert-axis size (without a
@@ -132,6 +102,8 @@ def moe_forward_ep(
         lora=lora,
         adapter_ids=adapter_ids,
         return_stats=return_stats,
+        routing=routing,
+        return_routing=return_routing,
         dispatch=dispatch,
     )
 
@@ -147,7 +119,7 @@ def partial_routed_sum(
     lora: ExpertLoRA | None = None,
 ) -> Array:
     """This device's share of `Σ_k w_k·E_k(x_e)` `[R, H]` float32 over its local experts `[E/n, ...]`, the slots
-    in local ids (`localize`): the pipeline's expert step (`moejax.forward.ExpertStep`)."""
+    in local ids (`moejax.dispatch.localize`): the pipeline's expert step (`moejax.forward.ExpertStep`)."""
     return ExpertStep(impl, experts, cfg, lora)(x_e, slots, num_pairs=num_pairs)
 
 

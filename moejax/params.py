@@ -4,7 +4,7 @@ Weights are stored `[in, out]` (applied as `x @ W`), gate and up apart (so the i
 over a tensor axis without separating a gate from its up). `moejax.hf` converts the Hugging Face layouts (fused,
 transposed, interleaved) into this one. The routed experts (`MoEParams.experts`) are owned by `moejax.weights`:
 their format declares its arrays, and this module adds the router, the shared expert and the pre-norm around it.
-Every consumer (checks, init, flatten/unflatten, the nnx variables, `parallel.shard_params`, the loaders) reads
+Every consumer (checks, init, flatten/unflatten, the nnx variables, `sharding.shard_params`, the loaders) reads
 `array_specs`, so a new weight format changes nothing here.
 """
 
@@ -63,7 +63,7 @@ class MoEParams:
     experts: Experts  # an ExpertFormat (stacked [E, ...]) or PerExpert (the CPU layout)
     shared: SharedParams | None = None
     expert_norm: Array | None = None  # [H] weight of the experts' pre-norm (Gemma-4)
-    # The placement whose slot order the experts are in (`moejax.parallel.shard_params(..., placement=)`: `[S, ...]`),
+    # The placement whose slot order the experts are in (`moejax.sharding.shard_params(..., placement=)`: `[S, ...]`),
     # None for the logical order `[E, ...]`. Static pytree metadata, so it travels with the arrays through jit,
     # tree maps and checkpoint restores, and `moe_forward_ep` checks it against its `placement=` at trace time.
     placement: Placement | None = dataclasses.field(default=None, metadata={"static": True})
@@ -129,9 +129,6 @@ def array_specs(
     return specs
 
 
-param_specs = array_specs  # the name before `moejax.sharding.partition_specs` took the PartitionSpecs
-
-
 def specs_of(params: MoEParams, cfg: MoEConfig) -> dict[str, ArraySpec]:
     """`array_specs` for the format and layout `params` holds."""
     return array_specs(cfg, format_of(params.experts), per_expert=isinstance(params.experts, PerExpert))
@@ -183,7 +180,7 @@ def check_params(params: MoEParams, cfg: MoEConfig) -> None:
     if params.placement is not None:
         raise ValueError(
             f"params hold their experts in the slot order of {params.placement.describe()} (laid out by "
-            "moejax.parallel.shard_params(..., placement=)): only moejax.parallel.moe_forward_ep(..., placement=) "
+            "moejax.sharding.shard_params(..., placement=)): only moejax.parallel.moe_forward_ep(..., placement=) "
             "runs them; this takes the experts in logical order"
         )
     expected = {name: s.shape for name, s in array_specs(cfg).items() if not name.startswith("experts.")}

@@ -2,7 +2,7 @@
 
 A `Placement` lays `num_slots = num_devices · slots_per_device` physical expert slots over the devices of the
 expert axis, device-major (device d holds slots `[d·S/n, (d+1)·S/n)`); each slot holds a copy of one logical
-expert, and a hot expert may have several. `moejax.parallel.shard_params(..., placement=)` gathers the stacked
+expert, and a hot expert may have several. `moejax.sharding.shard_params(..., placement=)` gathers the stacked
 expert weights `[E, ...]` into slot order `[S, ...]`, and `moejax.parallel.moe_forward_ep(..., placement=)` sends
 each (token, slot) pair to one replica of its expert (`Placement.physical_ids`): replica `t mod c`, in slot order,
 of an expert with c replicas, for the token's row index t in the call. The choice depends on the row index only,
@@ -164,7 +164,7 @@ def check_placement(laid_out: Placement | None, placement: Placement | None) -> 
             where = f"; slot {slot} holds expert {laid_out.slot_expert[slot]}, not {placement.slot_expert[slot]}"
     raise ValueError(
         f"params are laid out by {name(laid_out)} but run with placement={name(placement)}{where}: lay them out "
-        "with moejax.parallel.shard_params(..., placement=) of the placement they run with"
+        "with moejax.sharding.shard_params(..., placement=) of the placement they run with"
     )
 
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
+from jax._src import dispatch as jax_dispatch  # a private registry of jax 0.10, as pallas_kernels.platform
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -40,6 +43,28 @@ else:  # JAX versions before `jax.shard_map` became public.
 def is_explicit(mesh: Mesh) -> bool:
     """Whether the mesh has Explicit axes (array types then carry their sharding)."""
     return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def meshless(x: Array) -> bool:
+    """Whether x lives in a program without mesh types: x's type carries no mesh (under jit: x was not made or
+    resharded on a mesh with Explicit axes) and no mesh context is set (`jax.set_mesh`)."""
+    return jax.typeof(x).sharding.mesh.empty and jax.sharding.get_abstract_mesh().empty
+
+
+def auto_axes(mesh: Mesh) -> Mesh:
+    """`mesh` with every axis Auto: arrays computed on it carry no mesh in their types."""
+    return mesh.update(axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def traced(fn: Callable, *args) -> tuple[Callable[[], Any], bool]:
+    """`fn(*args)` traced once: (a call that runs what was traced, whether it holds a primitive that asks for the
+    program's devices while lowering). Such a primitive (a backend chosen by device kind,
+    `pallas_kernels.platform.choose_at_lowering`) makes JAX require one mesh, axis types included, across the
+    whole program. A JAX without that registry: False."""
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    check = getattr(jax_dispatch, "jaxpr_has_prim_requiring_devices", None)
+    run = lambda: jax.tree.unflatten(jax.tree.structure(shape), jaxpr_as_fun(closed)(*jax.tree.leaves(args)))
+    return run, check is not None and check(closed.jaxpr)
 
 
 def match_specs(tree, specs, mesh: Mesh):

@@ -1,6 +1,6 @@
-"""`MoEStats`: routing statistics of MoE calls, computed on device, the auxiliary output of `moejax.moe_forward`,
-`moejax.parallel.moe_forward_ep` (`return_stats=True`) and `moejax.MoE` (`return_stats=True`, or accumulated in
-the layer's `stats` variable with `collect_stats=True`).
+"""`MoEStats`: routing statistics of MoE calls, computed on device: `.stats` of the `moejax.MoEOutput` that
+`moejax.moe_forward`, `moejax.parallel.moe_forward_ep` and `moejax.MoE` return with `return_stats=True` (or, for
+`moejax.MoE`, accumulated in the layer's `stats` variable with `collect_stats=True`).
 
 Every field is an int32 count, so the statistics of several calls add up exactly: `total = total + stats` inside
 a jitted loop (`jax.lax.fori_loop`, `jax.lax.scan`), starting from `MoEStats.zeros(E, n)`. The ratios people look

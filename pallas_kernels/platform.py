@@ -203,21 +203,28 @@ def interpret_by_platform(op: Callable[..., Array]) -> Callable[..., Array]:
 # program has none: `jax.export`); a program lowered for several platforms at once gets the last branch.
 
 choose_at_lowering_p = jex_core.Primitive("choose_at_lowering")
+# The same choice by the platform alone: it does not ask for the program's devices, so JAX does not require one
+# mesh across the program (an Explicit mesh and its Auto view may meet in it).
+choose_by_platform_p = jex_core.Primitive("choose_by_platform")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Choice:
     branches: tuple[Callable[..., Array], ...]
     choose: Callable[[str, frozenset[str] | None], int]
+    by_platform: bool = False  # choose reads the platform only (choose_by_platform_p)
+
+    @property
+    def primitive(self) -> jex_core.Primitive:
+        return choose_by_platform_p if self.by_platform else choose_at_lowering_p
 
     def __repr__(self) -> str:
         return "|".join(getattr(b, "__name__", "branch") for b in self.branches)
 
 
-choose_at_lowering_p.def_abstract_eval(lambda *avals, choice: jax.make_jaxpr(choice.branches[0])(*avals).out_avals[0])
-choose_at_lowering_p.def_impl(
-    lambda *arrays, choice: jax.jit(lambda *a: choose_at_lowering_p.bind(*a, choice=choice))(*arrays)
-)
+for _p in (choose_at_lowering_p, choose_by_platform_p):
+    _p.def_abstract_eval(lambda *avals, choice: jax.make_jaxpr(choice.branches[0])(*avals).out_avals[0])
+    _p.def_impl(lambda *arrays, choice: jax.jit(lambda *a: choice.primitive.bind(*a, choice=choice))(*arrays))
 
 
 def lowering_device_kinds(axis_context: Any) -> frozenset[str] | None:
@@ -237,11 +244,13 @@ def _lower_choice(ctx: mlir.LoweringRuleContext, *args, choice: _Choice):
     platforms = tuple(ctx.module_context.platforms)
     index = len(choice.branches) - 1
     if len(platforms) == 1:
-        index = choice.choose(platforms[0], lowering_device_kinds(ctx.module_context.axis_context))
+        kinds = None if choice.by_platform else lowering_device_kinds(ctx.module_context.axis_context)
+        index = choice.choose(platforms[0], kinds)
     return mlir.lower_fun(choice.branches[index], multiple_results=False)(ctx, *args)
 
 
 mlir.register_lowering(choose_at_lowering_p, _lower_choice)
+mlir.register_lowering(choose_by_platform_p, _lower_choice)
 
 
 def _batch_choice(args, dims, *, choice: _Choice):
@@ -254,12 +263,13 @@ def _batch_choice(args, dims, *, choice: _Choice):
         full = list(args)
         for i, element in zip(mapped, elements, strict=True):
             full[i] = element
-        return choose_at_lowering_p.bind(*full, choice=choice)
+        return choice.primitive.bind(*full, choice=choice)
 
     return jax.lax.map(one, batched), 0
 
 
 batching.primitive_batchers[choose_at_lowering_p] = _batch_choice
+batching.primitive_batchers[choose_by_platform_p] = _batch_choice
 # Without this, a jit's lowering context carries no devices (`ShardingContext.device_assignment` is None): JAX
 # hands them to primitives that declare they need them (as its cuDNN primitives do for the GPU's compute
 # capability). A private registry of jax 0.10 (jax._src.dispatch).
@@ -268,7 +278,10 @@ getattr(dispatch, "prim_requires_devices_during_lowering", set()).update((choose
 
 
 def choose_at_lowering(
-    choose: Callable[[str, frozenset[str] | None], int], branches: tuple[Callable[..., Array], ...], *operands: Any
+    choose: Callable[[str, frozenset[str] | None], int],
+    branches: tuple[Callable[..., Array], ...],
+    *operands: Any,
+    by_platform: bool = False,
 ) -> Array:
     """`branches[choose(platform, device_kinds)](*operands)`, decided when the program is lowered.
 
@@ -278,7 +291,10 @@ def choose_at_lowering(
         none may carry effects (the lowering keeps one branch only). The first one also gives the output type, so
         put the cheapest to trace first.
       operands: pytrees of arrays.
+      by_platform: `choose` reads the platform only (its device kinds are None): the program's devices are not
+        asked for, so the program need not hold one mesh throughout.
     """
     leaves, treedef = jax.tree.flatten(operands)
     unflat = lambda fn: lambda *leaves: fn(*jax.tree.unflatten(treedef, leaves))
-    return choose_at_lowering_p.bind(*leaves, choice=_Choice(tuple(unflat(b) for b in branches), choose))
+    choice = _Choice(tuple(unflat(b) for b in branches), choose, by_platform)
+    return choice.primitive.bind(*leaves, choice=choice)

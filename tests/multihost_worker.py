@@ -77,7 +77,8 @@ def main(process_id: int, port: int, out_path: str) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from moejax.parallel import moe_forward_ep, shard_params
+    from moejax.parallel import moe_forward_ep
+    from moejax.sharding import shard_params
 
     cfg = config()
     params, x_decode, x_prefill = make_inputs(cfg)

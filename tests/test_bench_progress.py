@@ -1,8 +1,10 @@
-"""The progress bar of `python -m moejax bench`: drawn on a terminal, silent on a pipe or file."""
+"""The progress bar of benchmarks/plans_bench.py: drawn on a terminal, silent on a pipe or file."""
 
 import io
 
-from moejax.bench import ProgressBar
+from benchmark_scripts import load
+
+ProgressBar = load("plans_bench").ProgressBar
 
 
 class _Terminal(io.StringIO):

@@ -1,8 +1,9 @@
-"""The command line: demo and a tiny benchmark run end to end (in-process, small shapes)."""
+"""The command line (demo) and the plans benchmark script, end to end (in-process, small shapes)."""
 
 import json
 
 import pytest
+from benchmark_scripts import load
 
 from moejax.__main__ import main
 from moejax.backends import native as native_cpu
@@ -25,8 +26,8 @@ def test_demo_help_lists_families(capsys):
 
 def test_bench_quick_writes_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    args = ["bench", "--quick", "--dtypes", "float32", "--decode", "2", "--prefill", "40", "--repeats", "1"]
-    main([*args, "--json", str(path)])
+    args = ["--quick", "--dtypes", "float32", "--decode", "2", "--prefill", "40", "--repeats", "1"]
+    assert load("plans_bench").main([*args, "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
     assert {(r["phase"], r["tokens"]) for r in rows} == {
         ("decode", "random"),

@@ -31,8 +31,9 @@ import time
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load
 
-# label: (layer, T, dtype[, quantized format]). Layers: moejax.bench.MODEL_LAYERS, and gpt-oss-120b from
+# label: (layer, T, dtype[, quantized format]). Layers: benchmarks/model_layers.py, and gpt-oss-120b from
 # test_pallas_lowering.VARIANTS.
 # Decode T <= 8 runs the union-of-experts decode kernels, larger T the grouped prefill kernels.
 CASES = {
@@ -275,7 +276,7 @@ def _record_launches(launches: list[dict]) -> None:
 
 
 def _layer(name: str):
-    from moejax.bench import MODEL_LAYERS
+    MODEL_LAYERS = load("model_layers").MODEL_LAYERS
 
     if name in MODEL_LAYERS:
         return MODEL_LAYERS[name]

@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 import moejax
-from moejax import parallel
+from moejax import dispatch, parallel, sharding
 from moejax.lora import ExpertLoRA, LoRAPair
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -126,7 +126,7 @@ def test_eager_moe_forward_with_host_ids_is_cached():
     E, H, I, r = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, 2
     rng = np.random.default_rng(2)
     a, b = (jnp.asarray(rng.standard_normal(shape, np.float32)) for shape in ((E, r, I), (E, H, r)))
-    lora = moejax.lora.stack([moejax.LoRAParams(experts=ExpertLoRA(down=LoRAPair(a, b, jnp.float32(0.5))))])
+    lora = moejax.lora.stack([moejax.lora.LoRAParams(experts=ExpertLoRA(down=LoRAPair(a, b, jnp.float32(0.5))))])
     tids = np.array([3, 2**32 + 1, 7], np.int64)
     ids = np.array([1, 2**32 + 1, 1], np.int64)
     call = lambda: moejax.moe_forward(params, x, cfg, tids, lora=lora, adapter_ids=ids)
@@ -153,12 +153,12 @@ def test_eager_checked_forward_is_cached():
     assert_eager_calls_are_cached(lambda: moejax.checked_moe_forward(params, x, cfg))
 
 
-@pytest.mark.parametrize("mode", parallel.EP_MODES)
+@pytest.mark.parametrize("mode", dispatch.EP_MODES)
 def test_eager_moe_forward_ep_is_cached(mode):
     """Both EP modes on 8 devices: cached, as fast as the jitted call (within MAX_SLOWDOWN), same result."""
     cfg, params, x = _setup(T=16)
     mesh = jax.make_mesh((8,), ("expert",))
-    sharded = parallel.shard_params(params, cfg, mesh)
+    sharded = sharding.shard_params(params, cfg, mesh)
     eager = lambda: parallel.moe_forward_ep(sharded, x, cfg, mesh=mesh, mode=mode)
     assert_eager_calls_are_cached(eager)
     jitted_ep = jax.jit(parallel.moe_forward_ep, static_argnames=("cfg", "mesh", "mode"))

@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from benchmark_scripts import load
 from flax import nnx
 from jax.experimental import checkify
 from multihost_worker import numpy_params
 
 import moejax
-from moejax import analysis, parallel
+from moejax import analysis, dispatch, parallel, sharding
 from moejax.__main__ import main
 from moejax.forward import moe_forward_with_checks
 
@@ -37,10 +38,10 @@ def test_empty_batch(shape):
     assert jax.jit(lambda p, v: moejax.moe_forward(p, v, cfg))(params, x).shape == shape
     assert moejax.checked_moe_forward(params, x, cfg).shape == shape
     mesh = jax.make_mesh((8,), ("expert",))
-    sharded = parallel.shard_params(params, cfg, mesh)
-    for mode in parallel.EP_MODES:
-        y, stats = parallel.moe_forward_ep(sharded, x, cfg, mesh=mesh, mode=mode, return_stats=True)
-        assert y.shape == shape and int(stats.expert_load.sum()) == 0, mode
+    sharded = sharding.shard_params(params, cfg, mesh)
+    for mode in dispatch.EP_MODES:
+        out = parallel.moe_forward_ep(sharded, x, cfg, mesh=mesh, mode=mode, return_stats=True)
+        assert out.y.shape == shape and int(out.stats.expert_load.sum()) == 0, mode
 
 
 # -- 4. checks inside the caller's jit -----------------------------------------------------------------------
@@ -121,16 +122,20 @@ def test_union_curve_with_fewer_tokens_than_the_window():
 
 
 def test_config_rejects_nan_and_accepts_numpy_integers():
-    for field in ("rms_norm_eps", "swiglu_alpha"):
+    for family, field in (("gemma4", "rms_norm_eps"), ("qwen3_moe", "swiglu_alpha")):
         with pytest.raises(ValueError, match=field):
-            moejax.MoEConfig.preset("qwen3_moe", **{field: float("nan")})
+            moejax.MoEConfig.preset(family, **{field: float("nan")})
+    with pytest.raises(ValueError, match=r"rms_norm_eps=1e-05: only router_prenorm / expert_prenorm read it"):
+        moejax.MoEConfig.preset("qwen3_moe", rms_norm_eps=1e-5)
+    with pytest.raises(ValueError, match=r"rms_norm_eps=None: router_prenorm / expert_prenorm need"):
+        moejax.MoEConfig.preset("gemma4", rms_norm_eps=None)
     with pytest.raises(ValueError, match="swiglu_limit"):
         moejax.MoEConfig.preset("qwen3_moe", swiglu_limit=float("nan"))
     cfg = moejax.MoEConfig.preset(
-        "qwen3_moe", hidden_size=np.int64(32), num_experts=np.int32(8), top_k=np.int64(2), rms_norm_eps=np.float32(1e-5)
+        "gemma4", hidden_size=np.int64(32), num_experts=np.int32(8), top_k=np.int64(2), rms_norm_eps=np.float32(1e-5)
     )
     assert cfg == moejax.MoEConfig.preset(
-        "qwen3_moe", hidden_size=32, num_experts=8, top_k=2, rms_norm_eps=float(np.float32(1e-5))
+        "gemma4", hidden_size=32, num_experts=8, top_k=2, rms_norm_eps=float(np.float32(1e-5))
     )
     assert type(cfg.hidden_size) is int and hash(cfg) == hash(dataclasses.replace(cfg))
 
@@ -167,7 +172,9 @@ def test_load_params_rejects_another_config():
     ],
 )
 def test_cli_rejects_non_positive_counts(argv, capsys):
+    """`python -m moejax demo` and benchmarks/plans_bench.py."""
+    command, *args = argv
     with pytest.raises(SystemExit) as exit_info:
-        main(argv)
+        main(argv) if command == "demo" else load("plans_bench").main(args)
     assert exit_info.value.code == 2
     assert "must be >= 1" in capsys.readouterr().err

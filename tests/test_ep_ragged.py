@@ -27,8 +27,7 @@ from jax.sharding import PartitionSpec as P
 import moejax
 from moejax import dispatch as D
 from moejax.dispatch import ep_all_to_all
-from moejax.parallel import shard_params
-from moejax.sharding import shard_map
+from moejax.sharding import shard_map, shard_params
 
 # Read by libtpu when a TPU topology is first built (as tests/test_tpu_compile.py).
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -183,11 +182,12 @@ def test_ragged_transport_equals_the_dense_one_and_the_psum_mode(monkeypatch):
     program = _program(mesh)
     for kind in ("random", "empty_destinations", "one_expert"):
         out = program(params, sharded, x, _routing(kind, rng))
-        (y, stats), (y_dense, stats_dense) = out["ragged"], out["dense"]
+        y, stats = out["ragged"].y, out["ragged"].stats
+        y_dense, stats_dense = out["dense"].y, out["dense"].stats
         np.testing.assert_array_equal(y, y_dense, err_msg=kind)  # bit for bit
         jax.tree.map(np.testing.assert_array_equal, stats, stats_dense)
-        np.testing.assert_allclose(y, out["psum"][0], **TOL, err_msg=kind)
-        np.testing.assert_allclose(y, out["local"][0], **TOL, err_msg=kind)
+        np.testing.assert_allclose(y, out["psum"].y, **TOL, err_msg=kind)
+        np.testing.assert_allclose(y, out["local"].y, **TOL, err_msg=kind)
         assert np.all(np.any(np.asarray(y)[:T] != 0, axis=-1)), kind  # every row got its experts' sum
         if kind == "one_expert":
             np.testing.assert_array_equal(stats.device_load, [0, 0, 2 * T, 0, 0, 0, 0, 0])

@@ -147,11 +147,11 @@ def test_a_dispatch_mode_from_outside_the_library_equals_the_local_one():
     cfg = moejax.MoEConfig.preset("longcat_flash")  # zero experts: the once-terms run inside each half too
     params = moejax.init_params(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (2, 4, cfg.hidden_size))
-    y, stats = moejax.moe_forward(params, x, cfg, impl="xla", dispatch=HalvesDispatch(), return_stats=True)
-    local, local_stats = moejax.moe_forward(params, x, cfg, impl="xla", return_stats=True)
-    np.testing.assert_allclose(y, local, rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(stats.expert_load, local_stats.expert_load)
-    assert int(stats.calls) == 2  # one per half: the mode's own statistics
+    halves = moejax.moe_forward(params, x, cfg, impl="xla", dispatch=HalvesDispatch(), return_stats=True)
+    local = moejax.moe_forward(params, x, cfg, impl="xla", return_stats=True)
+    np.testing.assert_allclose(halves.y, local.y, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(halves.stats.expert_load, local.stats.expert_load)
+    assert int(halves.stats.calls) == 2  # one per half: the mode's own statistics
 
 
 def test_a_format_backend_and_dispatch_mode_from_the_test_together(registered):

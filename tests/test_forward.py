@@ -1,6 +1,9 @@
 """moe_forward as a jit-compiled function: jit equals eager, no host transfers, batch invariance, bad input,
 the documented in-jit behaviour of bad values and the checked variant that raises."""
 
+import dataclasses
+import inspect
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -152,6 +155,81 @@ def test_nnx_module_matches_functional_and_jits():
     assert stacked.experts.gate.get_metadata()["out_sharding"] == ("expert", "embed", "mlp")
     # Same weights in either layout; the per-expert [out, in] products sum in another order.
     np.testing.assert_allclose(stacked(x, tid), eager, rtol=1e-5, atol=1e-6)
+
+
+def _entry_points(cfg, params):
+    """Every public entry point that takes `return_stats`/`return_routing`, as `call(x, **extras)`."""
+    mesh = jax.make_mesh((4,), ("expert",), devices=jax.devices()[:4])
+    sharded = moejax.sharding.shard_params(params, cfg, mesh)
+    layer = moejax.MoE(cfg, rngs=nnx.Rngs(0), layout="stacked")
+    layer.load_params(params)
+    ep = moejax.parallel.moe_forward_ep
+    return {
+        "moe_forward": lambda x, **kw: moejax.moe_forward(params, x, cfg, impl="xla", **kw),
+        "moe_forward under jit": lambda x, **kw: jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl="xla", **kw))(
+            params, x
+        ),
+        "moe_forward_ep": lambda x, **kw: jax.jit(lambda p, x: ep(p, x, cfg, mesh=mesh, impl="xla", **kw))(sharded, x),
+        "MoE": lambda x, **kw: layer(x, **kw),
+    }
+
+
+@pytest.mark.parametrize("return_routing", [False, True])
+@pytest.mark.parametrize("return_stats", [False, True])
+def test_every_entry_point_returns_y_or_one_moe_output(return_stats, return_routing):
+    """One rule everywhere: `y` without extras, else a `moejax.MoEOutput` with the extras asked for (the others
+    None), the same y in both shapes; a returned routing replays to the same output."""
+    cfg, params, x, _ = _setup("qwen3_moe", T=6, hidden_size=32, intermediate_size=16, num_experts=8, top_k=2)
+    plain = moejax.moe_forward(params, x, cfg, impl="xla")
+    for name, call in _entry_points(cfg, params).items():
+        out = call(x, return_stats=return_stats, return_routing=return_routing)
+        if not (return_stats or return_routing):
+            assert isinstance(out, jax.Array), name
+            np.testing.assert_allclose(out, plain, rtol=1e-5, atol=1e-6, err_msg=name)
+            continue
+        assert isinstance(out, moejax.MoEOutput), (name, type(out))
+        np.testing.assert_allclose(out.y, plain, rtol=1e-5, atol=1e-6, err_msg=name)
+        assert (out.stats is not None) == return_stats and (out.routing is not None) == return_routing, name
+        if return_stats:
+            assert isinstance(out.stats, moejax.MoEStats) and int(out.stats.pairs()) == 6 * cfg.top_k, name
+        if return_routing:
+            assert out.routing.indices.shape == (6, cfg.top_k), name
+            np.testing.assert_array_equal(call(x, routing=out.routing), out.y, err_msg=name)
+
+
+def test_moe_output_is_a_pytree_and_the_entry_points_share_their_keywords():
+    out = moejax.MoEOutput(jnp.ones(2), None, None)
+    assert jax.tree.map(lambda a: a * 2, out).y.tolist() == [2.0, 2.0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.y = jnp.zeros(2)
+    shared = {"token_ids", "impl", "lora", "adapter_ids", "return_stats", "routing", "return_routing"}
+    for fn in (moejax.moe_forward, moejax.parallel.moe_forward_ep):
+        assert shared <= set(inspect.signature(fn).parameters), fn.__name__
+    assert {"token_ids", "adapter_ids", "return_stats", "routing", "return_routing"} <= set(
+        inspect.signature(moejax.MoE.__call__).parameters
+    )
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+@pytest.mark.parametrize("T", [1, 64])  # the decode and grouped plans
+def test_chosen_impl_names_what_auto_runs_for_each_platform(layout, T):
+    """On CPU: the native kernels when built, else the CPU plans (per-expert layout) or the XLA plans (stacked);
+    `ragged_dot` only where lowered for TPU/GPU (a grouped call on stacked experts). The CPU answer runs the same
+    program as "auto", bit for bit."""
+    from moejax.backends import native
+
+    cfg, _, x, _ = _setup("qwen3_moe", T=T, hidden_size=32, intermediate_size=16, num_experts=8, top_k=2)
+    params = moejax.init_params(cfg, jax.random.key(0), layout=layout)
+    kind = "decode" if T == 1 else "grouped"
+    plans = f"cpu_{kind}" if layout == "per_expert" else f"xla_{kind}"
+    assert moejax.chosen_impl(params, x, cfg, platform="cpu") == ("native" if native.available() else plans)
+    accelerator = "ragged" if (layout, kind) == ("stacked", "grouped") else plans
+    assert moejax.chosen_impl(params, x, cfg, platform="tpu") == accelerator
+    assert moejax.chosen_impl(params, x, cfg, impl="xla", platform="tpu") == f"xla_{kind}"
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))
+    assert moejax.chosen_impl(*abstract, cfg, platform="cpu") == moejax.chosen_impl(params, x, cfg, platform="cpu")
+    chosen = moejax.chosen_impl(params, x, cfg, platform="cpu")
+    np.testing.assert_array_equal(forward(params, x, cfg, None, chosen), forward(params, x, cfg, None, "auto"))
 
 
 def test_nnx_load_params_roundtrip():

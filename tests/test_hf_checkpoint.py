@@ -373,8 +373,9 @@ def test_a_layer_spanning_two_shards(tmp_path):
     layer = next(layer for layer, shard_files in spans.items() if len(shard_files) == 2)
     _, params = hf.load_layer(tmp_path, layer, layout="stacked")
     layers = hf.load_layers(tmp_path, layout="stacked")
-    assert [c for c, _ in layers] == [hf.config_from_hf(CHECKPOINTS["qwen2_moe"][0], i) for i in (1, 2, 3)]
-    _assert_params_equal(layers[[1, 2, 3].index(layer)][1], params)
+    assert list(layers) == [1, 2, 3]  # keyed by decoder layer index (layer 0 is dense)
+    assert [c for c, _ in layers.values()] == [hf.config_from_hf(CHECKPOINTS["qwen2_moe"][0], i) for i in (1, 2, 3)]
+    _assert_params_equal(layers[layer][1], params)
 
 
 def test_load_layers_reads_each_shard_once(tmp_path, monkeypatch):
@@ -384,11 +385,12 @@ def test_load_layers_reads_each_shard_once(tmp_path, monkeypatch):
     monkeypatch.setattr(hf.files, "read_file", lambda path, keys: opened.append(path) or read_file(path, keys))
     layers = hf.load_layers(tmp_path, layout="stacked")
     assert len(opened) == len(set(opened)) == 3
-    assert len(layers) == len(blocks)
-    for (cfg, params), layer in zip(layers, sorted(blocks), strict=True):
+    assert list(layers) == sorted(blocks)
+    for layer, (cfg, params) in layers.items():
         _assert_params_equal(params, hf.params_from_hf(blocks[layer], cfg, layout="stacked", family="deepseek_v3"))
     chosen = hf.load_layers(tmp_path, [3, 1], layout="stacked")
-    _assert_params_equal(chosen[0][1], layers[2][1])
+    assert list(chosen) == [3, 1]  # in the order asked for
+    _assert_params_equal(chosen[3][1], layers[3][1])
 
 
 @pytest.mark.parametrize(
@@ -571,7 +573,7 @@ def test_save_layer_replaces_a_block_in_a_sharded_checkpoint(tmp_path):
         assert not any(k.startswith("model.layers.2.mlp.") for k in hf.files.header(path)[1])
     _assert_params_equal(hf.load_layer(tmp_path, 2, layout="stacked")[1], edited)
     _assert_params_equal(hf.load_layer(tmp_path, 1, layout="stacked")[1], before)  # other layers untouched
-    assert len(hf.load_layers(tmp_path)) == 3
+    assert list(hf.load_layers(tmp_path)) == [1, 2, 3]
 
 
 def test_save_layer_checkpoint_class_and_experts(tmp_path):

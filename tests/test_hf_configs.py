@@ -132,6 +132,22 @@ def test_gemma4_fixture(name):
     assert hf.moe_layer_indices(config) == list(range(text["num_hidden_layers"]))
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("*.json")))
+def test_rms_norm_eps_is_the_configs_where_used_and_none_elsewhere(name):
+    """Only Gemma-4's router and expert pre-norms read an RMSNorm epsilon: there it is config.json's (1e-6 in
+    these files), elsewhere None, never a default that disagrees with the file (GLM-4.5 says 1e-5)."""
+    config, text = _load(name)
+    if name in GEMMA4:
+        text.update(_GEMMA4_MOE)
+    cfg = hf.config_from_hf(config, hf.moe_layer_indices(config)[0])
+    if cfg.router_prenorm or cfg.expert_prenorm:
+        assert cfg.rms_norm_eps == text["rms_norm_eps"]
+        text["rms_norm_eps"] = 3e-5
+        assert hf.config_from_hf(config, 0).rms_norm_eps == 3e-5
+    else:
+        assert cfg.rms_norm_eps is None, cfg.rms_norm_eps
+
+
 @pytest.mark.parametrize(
     ("spellings", "expected"),
     [

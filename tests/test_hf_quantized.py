@@ -241,8 +241,8 @@ def test_load_layer_keeps_experts_quantized(tmp_path, name):
 def test_load_layers_and_default_layout(tmp_path):
     write_checkpoint(tmp_path, "w4a16_asym")
     layers = hf.load_layers(tmp_path, layout="stacked")
-    assert len(layers) == N_LAYERS
-    for layer, (cfg, params) in enumerate(layers):
+    assert list(layers) == list(range(N_LAYERS))
+    for layer, (cfg, params) in layers.items():
         _, one = hf.load_layer(tmp_path, layer, layout="stacked")
         assert cfg == hf.config_from_hf(_config("w4a16_asym"), layer)
         _assert_params_identical(params, one)

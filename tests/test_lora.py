@@ -186,7 +186,7 @@ def test_kernels_refuse_adapters():
     with pytest.raises(NotImplementedError, match="LoRA"):
         moejax.backends.pallas.pallas_decode(adapt(params.experts, LORA.experts), x, slots, expert_activation(CFG))
     want = "native" if moejax.backends.native.available() else "xla_decode"  # native applies adapters (CPU)
-    assert moejax.forward.chosen_impl(params, x, CFG, impl="auto", lora=LORA) == want
+    assert moejax.chosen_impl(params, x, CFG, impl="auto", lora=LORA) == want
 
 
 def test_errors_name_what_is_wrong():

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from multihost_worker import numpy_params
 
 import moejax
-from moejax import parallel
+from moejax import parallel, sharding
 from moejax.lora import ExpertLoRA, LoRAPair, LoRAParams, SharedLoRA, stack
 from moejax.placement import balance
 
@@ -79,8 +79,8 @@ def test_ep_with_adapters_equals_single_device(shape, tensor_axis, tokens):
     (params, lora, xd, xf, ids_d, ids_f), (ref_d, ref_f) = _case(*tokens)
     axes = ("expert",) if tensor_axis is None else ("expert", "tensor")
     mesh = Mesh(np.array(jax.devices()[: np.prod(shape)]).reshape(shape), axes)
-    sharded = parallel.shard_params(params, CFG, mesh, tensor_axis=tensor_axis)
-    placed = parallel.shard_lora(lora, CFG, mesh, tensor_axis=tensor_axis)
+    sharded = sharding.shard_params(params, CFG, mesh, tensor_axis=tensor_axis)
+    placed = sharding.shard_lora(lora, CFG, mesh, tensor_axis=tensor_axis)
     # each expert's adapters live with the expert; the intermediate axes split where the weights split them
     n_e = mesh.shape["expert"]
     assert placed.experts.gate.a.sharding.spec == P(None, "expert", None, None)
@@ -119,10 +119,10 @@ def test_adapters_follow_a_placement():
     mesh = Mesh(np.array(jax.devices()[:n]), ("expert",))
     load = np.arange(CFG.num_experts, dtype=np.float64) ** 2
     placement = balance(load, num_devices=n, num_slots=CFG.num_experts + 2 * n)
-    placed = parallel.shard_lora(lora, CFG, mesh, placement=placement)
+    placed = sharding.shard_lora(lora, CFG, mesh, placement=placement)
     np.testing.assert_array_equal(placed.experts.up.b, lora.experts.up.b[:, np.asarray(placement.slot_expert)])
     with pytest.raises(ValueError, match="num_slots"):
         parallel.moe_forward_ep(params, xd, CFG, mesh=mesh, placement=placement, lora=lora, adapter_ids=ids_d)
     run = jax.jit(functools.partial(parallel.moe_forward_ep, cfg=CFG, mesh=mesh, placement=placement))
-    sharded = parallel.shard_params(params, CFG, mesh, placement=placement)
+    sharded = sharding.shard_params(params, CFG, mesh, placement=placement)
     np.testing.assert_allclose(run(sharded, xd, lora=placed, adapter_ids=ids_d), ref_d, **TOL)

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from multihost_worker import numpy_params
 
 import moejax
-from moejax import hf, parallel
+from moejax import hf, parallel, sharding
 from moejax.lora import LoRAPair, LoRAParams, _target_shapes, from_pairs, pair_delta, stack
 from moejax.weights import to_layout
 
@@ -189,7 +189,7 @@ def test_wide_ids_clamp_on_the_data_parallel_ep_and_layer_paths():
     params, _, clean = _setup()
     (x, ids64), (_, ids_u64), (_, ids_list) = _batch("int64"), _batch("uint64"), _batch("list")
     mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
-    sharded, placed = parallel.shard_params(params, CFG, mesh), parallel.shard_lora(clean, CFG, mesh)
+    sharded, placed = sharding.shard_params(params, CFG, mesh), sharding.shard_lora(clean, CFG, mesh)
     ep = functools.partial(parallel.moe_forward_ep, cfg=CFG, mesh=mesh, lora=placed)
     layer = nnx.eval_shape(lambda: moejax.MoE(CFG, rngs=nnx.Rngs(0), layout="stacked"))  # no init to compile
     layer.load_params(params)
@@ -221,7 +221,7 @@ def test_checked_forward_raises_for_wide_ids():
         with pytest.raises(checkify.JaxRuntimeError, match="adapter_ids outside"):
             moejax.checked_moe_forward(params, x, CFG, lora=clean, adapter_ids=HOSTILE[kind])
     mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
-    sharded = parallel.shard_params(params, CFG, mesh)
+    sharded = sharding.shard_params(params, CFG, mesh)
     split = jax.device_put(x, NamedSharding(mesh, P("expert")))  # rows split over the mesh of the EP weights
     with pytest.raises(checkify.JaxRuntimeError, match="adapter_ids outside"):
         moejax.checked_moe_forward(sharded, split, CFG, lora=clean, adapter_ids=[WIDE] * len(CLEAN_IDS))

@@ -296,7 +296,7 @@ def test_family_forward_matches_reference(family, fmt):
         params = moejax.quantize(params, cfg, fmt, **({"group_size": 32} if fmt == "int4" else {}))
     params = moejax.params.with_experts_layout(params, "per_expert")
     x = _x(7, 64)
-    assert moejax.forward.chosen_impl(params, x, cfg) == "native"
+    assert moejax.chosen_impl(params, x, cfg) == "native"
     forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
     got = forward(params, x, cfg, impl="native")
     want = forward(params, x, cfg, impl="reference")
@@ -492,7 +492,7 @@ def test_without_the_extension_auto_runs_the_cpu_plans(monkeypatch):
         params = moejax.init_params(cfg, jax.random.key(0))
         x = _x(3, 16)
         assert "native" not in backends.candidates("auto", 3, cfg.top_k)
-        assert moejax.forward.chosen_impl(params, x, cfg) == "cpu_decode"
+        assert moejax.chosen_impl(params, x, cfg) == "cpu_decode"
         with pytest.raises(NotImplementedError, match="not built"):
             native.routed_experts(params.experts, x, _slots(3, 2, 4, 0), ACTIVATIONS["silu"])
         monkeypatch.setenv("MOEJAX_NATIVE", "0")  # the run-time switch hides a built extension too

@@ -170,7 +170,7 @@ def test_layer_runs_native_with_adapters_and_matches_the_reference():
     """qwen2_moe per-expert (the fused [out, in] format) with router, routed and shared (gate included) adapters:
     "auto" runs native, the routed and shared experts' adapters inside the kernel call, equal to the reference."""
     params, x, lora = _layer()
-    assert moejax.forward.chosen_impl(params, x, CFG, lora=lora) == "native"
+    assert moejax.chosen_impl(params, x, CFG, lora=lora) == "native"
     forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
     hlo = forward.lower(params, x, CFG, None, "auto", lora=lora, adapter_ids=IDS).as_text()
     assert hlo.count("moejax_routed_experts_lora") == 2  # routed and shared experts with their adapters

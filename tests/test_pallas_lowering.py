@@ -11,12 +11,13 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from benchmark_scripts import load
 
 import moejax
 import pallas_kernels
 from moejax import backends
-from moejax.bench import MODEL_LAYERS
 
+MODEL_LAYERS = load("model_layers").MODEL_LAYERS
 QWEN3_30B_A3B = MODEL_LAYERS["qwen3-30b-a3b"]
 DEEPSEEK_V3 = MODEL_LAYERS["deepseek-v3"]
 

@@ -22,7 +22,7 @@ from multihost_worker import numpy_params
 from tables import table
 
 import moejax
-from moejax import parallel
+from moejax import dispatch, parallel, sharding
 from moejax.experts import shared_expert_ffn, slots_from_routing
 from moejax.forward import expert_input
 from moejax.params import flatten, with_experts_layout
@@ -89,7 +89,8 @@ def _both_modes(cfg: moejax.MoEConfig, mesh: Mesh, tensor_axis: str | None = Non
     def run(params, xd, xf, td, tf):
         traces.append(1)  # counts traces: a retrace would be a recompile
         ep = functools.partial(moe_forward_ep, cfg=cfg, mesh=mesh, tensor_axis=tensor_axis, return_stats=True)
-        return ep(params, xd, mode="replicated", token_ids=td), ep(params, xf, mode="all_to_all", token_ids=tf)
+        d, f = ep(params, xd, mode="replicated", token_ids=td), ep(params, xf, mode="all_to_all", token_ids=tf)
+        return (d.y, d.stats), (f.y, f.stats)
 
     return jax.jit(run), traces
 
@@ -136,7 +137,7 @@ def test_both_modes_equal_single_device(family, n):
     (params, xd, xf, td, tf), (ref_d, ref_f) = _case(cfg)
     mesh = _mesh(n)
     fn, _ = _both_modes(cfg, mesh)
-    (yd, sd), (yf, sf) = fn(parallel.shard_params(params, cfg, mesh), *_placed(mesh, xd, xf, td, tf))
+    (yd, sd), (yf, sf) = fn(sharding.shard_params(params, cfg, mesh), *_placed(mesh, xd, xf, td, tf))
     np.testing.assert_allclose(yd, ref_d, **TOL)
     np.testing.assert_allclose(yf, ref_f, **TOL)
     _check_stats(sd, _expected_load(params, xd, td, cfg), "replicated", n)
@@ -148,7 +149,7 @@ def test_expert_and_tensor_axes_2x4(family):
     cfg = TENSOR_CONFIGS[family]
     (params, xd, xf, td, tf), (ref_d, ref_f) = _case(cfg, *T_GROUPED)
     mesh = _tensor_mesh()
-    sharded = parallel.shard_params(params, cfg, mesh, tensor_axis="tensor")
+    sharded = sharding.shard_params(params, cfg, mesh, tensor_axis="tensor")
     assert sharded.experts.gate.sharding.spec == P("expert", None, "tensor")
     assert sharded.experts.down.sharding.shard_shape(sharded.experts.down.shape) == (
         cfg.num_experts // 2,
@@ -176,7 +177,7 @@ def test_once_terms_added_after_the_reduction_and_buggy_orders_differ():
         num_local = params.experts.num_experts
         routing = moejax.route(params, x, cfg)
         x_e = expert_input(params, x, cfg)
-        local = parallel.localize(slots_from_routing(routing, cfg), jax.lax.axis_index("expert") * num_local, num_local)
+        local = dispatch.localize(slots_from_routing(routing, cfg), jax.lax.axis_index("expert") * num_local, num_local)
         partial = parallel.partial_routed_sum(params.experts, x_e, local, cfg, impl="xla", num_pairs=x.size)
         reduced = jax.lax.psum(partial, "expert")
         shared = shared_expert_ffn(x_e, params.shared, cfg)
@@ -193,9 +194,9 @@ def test_once_terms_added_after_the_reduction_and_buggy_orders_differ():
             ),
         }
 
-    specs = parallel.param_specs(cfg)
+    specs = sharding.partition_specs(cfg)
     run = jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=False)
-    sharded = parallel.shard_params(params, cfg, mesh)
+    sharded = sharding.shard_params(params, cfg, mesh)
     variants = jax.jit(run)(sharded, xd)
     np.testing.assert_allclose(variants.pop("correct"), ref, **TOL)
     for bug, y in variants.items():
@@ -216,7 +217,7 @@ def test_uneven_load_all_tokens_to_one_device_nothing_dropped():
     ref_d, ref_f = _reference(params, xd, xf, td, tf, cfg)
     mesh = _mesh(n)
     fn, _ = _both_modes(cfg, mesh)
-    (yd, sd), (yf, sf) = fn(parallel.shard_params(params, cfg, mesh), *_placed(mesh, xd, xf, td, tf))
+    (yd, sd), (yf, sf) = fn(sharding.shard_params(params, cfg, mesh), *_placed(mesh, xd, xf, td, tf))
     np.testing.assert_allclose(yd, ref_d, **TOL)
     np.testing.assert_allclose(yf, ref_f, **TOL)
     K = cfg.top_k
@@ -234,7 +235,7 @@ def test_jitted_ep_forward_has_no_host_transfers_and_does_not_recompile_across_r
     mesh = _mesh(n)
     (params, xd, xf, td, tf), _ = _case(cfg)
     fn, traces = _both_modes(cfg, mesh)  # the program of test_both_modes_equal_single_device[qwen3_next-8]
-    sharded = parallel.shard_params(params, cfg, mesh)
+    sharded = sharding.shard_params(params, cfg, mesh)
     fn(sharded, *_placed(mesh, xd, xf, td, tf))  # compiled here unless that test ran first
     compiled_traces = len(traces)
     cache_size = fn._cache_size() if hasattr(fn, "_cache_size") else None
@@ -252,6 +253,67 @@ def test_jitted_ep_forward_has_no_host_transfers_and_does_not_recompile_across_r
     assert not all(np.array_equal(loads[0], load) for load in loads[1:])  # the routing did change
 
 
+# -- inside a model --------------------------------------------------------------------------------------------
+
+
+def _typed_axes(a) -> tuple[str, ...]:
+    """The Explicit mesh axes in a's type: what a sharding type check compares."""
+    mesh = jax.typeof(a).sharding.mesh
+    return tuple(
+        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == jax.sharding.AxisType.Explicit
+    )
+
+
+@pytest.mark.parametrize(("mode", "B"), [("replicated", 2), ("all_to_all", 12)])  # the decode and grouped plans
+def test_ep_inside_a_jitted_decode_step_with_a_kv_cache_made_in_jit(mode, B):
+    """A model's decode loop as users write it: `jax.make_mesh` (Explicit axes), no mesh context, the activations
+    and the KV cache made inside the jitted step. The EP output carries x's sharding type (none), so the cache
+    update traces (it raised a ShardingTypeError naming the EP mesh), and equals the single-device forward. Under
+    `jax.set_mesh(mesh)` the step's arrays carry the mesh, and so does y."""
+    cfg, (params, *_), _ = CONFIGS["qwen3_next"], *_case(CONFIGS["qwen3_next"])
+    mesh = jax.make_mesh((8,), ("expert",))
+    steps = 3
+
+    def decode(params, x0, typed_axes):
+        cache = jnp.zeros((steps, B, cfg.hidden_size), x0.dtype)
+
+        def step(t, carry):
+            x, cache = carry
+            y = moe_forward_ep(params, x, cfg, mesh=mesh, mode=mode)
+            assert _typed_axes(y) == _typed_axes(cache) == typed_axes, jax.typeof(y).sharding
+            return jnp.tanh(y), jax.lax.dynamic_update_slice(cache, y[None], (t, 0, 0))
+
+        return jax.lax.fori_loop(0, steps, step, (x0 * 1.0, cache))[1]
+
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((B, cfg.hidden_size), np.float32))
+    sharded = sharding.shard_params(params, cfg, mesh)
+    no_context = jax.jit(functools.partial(decode, typed_axes=()))(sharded, x)
+    with jax.set_mesh(mesh):
+        in_context = jax.jit(functools.partial(decode, typed_axes=("expert",)))(sharded, x)
+    expected = []
+    for _ in range(steps):
+        expected.append(moejax.moe_forward(params, x, cfg))
+        x = jnp.tanh(expected[-1])
+    np.testing.assert_allclose(no_context, jnp.stack(expected), **TOL)
+    np.testing.assert_allclose(in_context, jnp.stack(expected), **TOL)
+
+
+def test_traced_tells_whether_a_program_asks_for_its_devices():
+    """An EP call on an Explicit mesh with a meshless x runs on the mesh's Auto view only when nothing in it asks for
+    the program's devices while lowering (JAX then requires one mesh, axis types included): a choice by device
+    kind does, a choice by platform does not."""
+    from pallas_kernels.platform import choose_at_lowering
+
+    def program(by_platform):
+        branches = (lambda x: x + 1, lambda x: x)
+        return lambda x: choose_at_lowering(lambda platform, kinds: 0, branches, x, by_platform=by_platform)
+
+    run, needs_devices = sharding.traced(program(False), jnp.ones(3))
+    assert needs_devices and run().tolist() == [2.0, 2.0, 2.0]
+    run, needs_devices = sharding.traced(program(True), jnp.ones(3))
+    assert not needs_devices and jax.jit(lambda: run())().tolist() == [2.0, 2.0, 2.0]
+
+
 # -- validation ------------------------------------------------------------------------------------------
 
 
@@ -260,7 +322,7 @@ def test_validation_errors():
     (params, xd, *_), _ = _case(cfg)
     mesh3 = _mesh(3)
     with pytest.raises(ValueError, match=r"E=16.*size 3"):
-        parallel.shard_params(params, cfg, mesh3)
+        sharding.shard_params(params, cfg, mesh3)
     with pytest.raises(ValueError, match=r"E=16.*size 3"):
         parallel.moe_forward_ep(params, xd, cfg, mesh=mesh3)
     with pytest.raises(ValueError, match="mode='ring'"):
@@ -269,7 +331,7 @@ def test_validation_errors():
         parallel.moe_forward_ep(params, xd, cfg, mesh=_mesh(2), expert_axis="experts")
     odd = cfg.replace(intermediate_size=10)
     with pytest.raises(ValueError, match=r"intermediate_size=10.*size 4"):
-        parallel.shard_params(numpy_params(odd, 0), odd, _tensor_mesh(), tensor_axis="tensor")
+        sharding.shard_params(numpy_params(odd, 0), odd, _tensor_mesh(), tensor_axis="tensor")
     with pytest.raises(ValueError, match="ep_mode"):
         moejax.MoE(cfg, rngs=nnx.Rngs(0), mesh=_mesh(2), ep_mode="ring")
     data_mesh = jax.make_mesh((8,), ("data",))
@@ -284,13 +346,13 @@ def test_module_parameters_created_sharded_and_call_dispatches_to_ep():
     cfg = TENSOR_CONFIGS["qwen3_next"]
     mesh = _tensor_mesh()
     layer = moejax.MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh, tensor_axis="tensor", ep_mode="all_to_all")
-    expected = flatten(parallel.param_specs(cfg, tensor_axis="tensor"))
-    with nnx.logical_axis_rules(parallel.logical_axis_rules("expert", "tensor")):
+    expected = flatten(sharding.partition_specs(cfg, tensor_axis="tensor"))
+    with nnx.logical_axis_rules(sharding.logical_axis_rules("expert", "tensor")):
         metadata = nnx.to_flat_state(nnx.get_partition_spec(nnx.state(layer)))
     metadata_specs = {".".join(map(str, path)): v.get_value() for path, v in metadata}
     for name, value in flatten(layer.params).items():
         assert value.sharding.spec == expected[name], name
-        if not parallel.runs_replicated(name):  # the placement follows the Params' sharding metadata
+        if not sharding.runs_replicated(name):  # the placement follows the Params' sharding metadata
             assert metadata_specs[name] == expected[name], name
     assert layer.experts.gate[...].addressable_shards[0].data.shape == (8, cfg.hidden_size, 4)
 
@@ -325,7 +387,7 @@ def _temp_bytes(cfg: moejax.MoEConfig, num_tokens: int, n: int) -> int:
     params = jax.tree.map(
         lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=NamedSharding(mesh, s)),
         params,
-        parallel.param_specs(cfg),
+        sharding.partition_specs(cfg),
     )
     x = jax.ShapeDtypeStruct((num_tokens, cfg.hidden_size), jnp.float32, sharding=NamedSharding(mesh, P("expert")))
     fn = jax.jit(functools.partial(moe_forward_ep, cfg=cfg, mesh=mesh, mode="all_to_all"))
@@ -350,7 +412,7 @@ def test_all_to_all_beyond_capacity_takes_more_rounds_and_drops_nothing():
     params = dataclasses.replace(params, router=dataclasses.replace(params.router, correction_bias=bias))
     x = jnp.asarray(np.random.default_rng(5).standard_normal((T, cfg.hidden_size), np.float32))
     ref = jax.jit(moejax.moe_forward, static_argnums=2)(params, x, cfg)
-    rows, pairs = parallel.all_to_all_capacity(cfg, T, n, 0.1)
+    rows, pairs = dispatch.all_to_all_capacity(cfg, T, n, 0.1)
     assert (rows, pairs) == (1, 3)  # 4 tokens, 16 pairs per device: 4 rounds, device 0 in 24 chunks
     mesh = _mesh(n)
     load = np.r_[np.full(8, 10.0), np.ones(cfg.num_experts - 8)]
@@ -360,9 +422,10 @@ def test_all_to_all_beyond_capacity_takes_more_rounds_and_drops_nothing():
     def run(sharded, placed, x):
         return ep(sharded, x, return_stats=True), ep(placed, x, placement=placement)
 
-    sharded = parallel.shard_params(params, cfg, mesh)
-    placed = parallel.shard_params(params, cfg, mesh, placement=placement)
-    (y, stats), y_placed = jax.jit(run)(sharded, placed, x)
+    sharded = sharding.shard_params(params, cfg, mesh)
+    placed = sharding.shard_params(params, cfg, mesh, placement=placement)
+    out, y_placed = jax.jit(run)(sharded, placed, x)
+    y, stats = out.y, out.stats
     np.testing.assert_allclose(y, ref, **TOL)
     np.testing.assert_allclose(y_placed, ref, **TOL)
     np.testing.assert_array_equal(stats.device_load, [T * cfg.top_k, 0, 0, 0])
@@ -374,12 +437,12 @@ def test_communication_bytes_follow_the_capacity():
     cfg = moejax.MoEConfig.preset("deepseek_v3", hidden_size=256, num_experts=64, top_k=8)
     T, H, K = 4096, 256, 8
     for n in (2, 4, 8):
-        rows, _ = parallel.all_to_all_capacity(cfg, T, n, parallel.CAPACITY_FACTOR)
+        rows, _ = dispatch.all_to_all_capacity(cfg, T, n, dispatch.CAPACITY_FACTOR)
         sent = parallel.communication_bytes(cfg, T, mode="all_to_all", expert_size=n)
         full_blocks = (n - 1) * (T // n)
         assert rows <= T // n
         assert sent["dispatch"] == (n - 1) * rows * (H * 4 + 2 * K * 4) <= full_blocks * (H * 4 + 2 * K * 4)
-    assert parallel.all_to_all_capacity(cfg, T, 8, parallel.CAPACITY_FACTOR) == (475, 5360)
+    assert dispatch.all_to_all_capacity(cfg, T, 8, dispatch.CAPACITY_FACTOR) == (475, 5360)
 
 
 def test_capacity_factor_validated():
@@ -398,11 +461,11 @@ _PALLAS_ON_TWO_CPU_DEVICES = """
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp
     import moejax
-    from moejax import parallel
+    from moejax import dispatch, parallel, sharding
     cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=32, intermediate_size=16)
     mesh = jax.make_mesh((2,), ("expert",))
-    params = parallel.shard_params(moejax.init_params(cfg, jax.random.key(0)), cfg, mesh)
-    for mode in parallel.EP_MODES:
+    params = sharding.shard_params(moejax.init_params(cfg, jax.random.key(0)), cfg, mesh)
+    for mode in dispatch.EP_MODES:
         try:
             parallel.moe_forward_ep(params, jnp.ones((4, 32)), cfg, mesh=mesh, impl="pallas", mode=mode)
         except NotImplementedError as err:
@@ -428,6 +491,6 @@ def test_pallas_on_a_multi_device_cpu_mesh_raises_instead_of_hanging():
         pytest.fail("moe_forward_ep(impl='pallas') on 2 CPU devices hangs")
     assert proc.returncode == 0, proc.stderr[-3000:]
     raised = [line for line in proc.stdout.splitlines() if line.startswith("raised:")]
-    assert len(raised) == len(parallel.EP_MODES), proc.stdout
+    assert len(raised) == len(dispatch.EP_MODES), proc.stdout
     for line in raised:
         assert "impl='pallas'" in line and "Mosaic GPU interpreter" in line and "impl='xla'" in line, line

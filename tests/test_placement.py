@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from multihost_worker import numpy_params
 
 import moejax
-from moejax import analysis, parallel
+from moejax import analysis, parallel, sharding
 from moejax.placement import Placement, balance, balanced_packing, replicate
 
 TOL = {"rtol": 2e-5, "atol": 2e-5}
@@ -203,11 +203,11 @@ def test_placed_forward_equals_unplaced_in_both_modes(n):
     assert placement.replica_counts.max() >= 2
     mesh = _mesh(n)
     fn, _ = _program(CFG, mesh, placement)
-    sharded = parallel.shard_params(params, CFG, mesh)
-    placed = parallel.shard_params(params, CFG, mesh, placement=placement)
+    sharded = sharding.shard_params(params, CFG, mesh)
+    placed = sharding.shard_params(params, CFG, mesh, placement=placement)
     out = fn(sharded, placed, xd, xf)
     for mode, x in (("replicated", xd), ("all_to_all", xf)):
-        (y, stats), (y_placed, stats_placed) = out[mode], out[f"{mode}_placed"]
+        (y, stats), (y_placed, stats_placed) = ((out[k].y, out[k].stats) for k in (mode, f"{mode}_placed"))
         if n == 1:  # one device: the same sums in the same order, bit for bit
             np.testing.assert_array_equal(y_placed, y)
         else:  # the same float ops per pair; a token's per-device partial sums are grouped differently
@@ -231,13 +231,13 @@ def test_placed_forward_with_zero_experts_and_experts_not_divisible_by_devices()
     assert placement.num_slots == 16
     mesh = _mesh(n, AxisType.Explicit)
     fn, _ = _program(cfg, mesh, placement, with_unplaced=False)
-    placed = parallel.shard_params(params, cfg, mesh, placement=placement)
+    placed = sharding.shard_params(params, cfg, mesh, placement=placement)
     with pytest.raises(ValueError, match="E=12 is not divisible by the size 8"):
-        parallel.shard_params(params, cfg, mesh)
+        sharding.shard_params(params, cfg, mesh)
     out = fn(None, placed, xd, xf)
     ref = jax.jit(moejax.moe_forward, static_argnums=2)
     for mode, x in (("replicated", xd), ("all_to_all", xf)):
-        y, stats = out[f"{mode}_placed"]
+        y, stats = out[f"{mode}_placed"].y, out[f"{mode}_placed"].stats
         np.testing.assert_allclose(y, ref(params, x, cfg), **TOL)
         _check_placed_stats(stats, moejax.route(params, x, cfg).indices, placement, cfg)
 
@@ -246,7 +246,7 @@ def test_shard_params_lays_the_experts_out_by_slot():
     n = 4
     params, xd, _ = _inputs(CFG)
     placement = _placement_for(CFG, params, xd, n)
-    placed = parallel.shard_params(params, CFG, _mesh(n), placement=placement)
+    placed = sharding.shard_params(params, CFG, _mesh(n), placement=placement)
     gate = placed.experts.gate
     assert gate.shape == (placement.num_slots, *params.experts.gate.shape[1:])
     assert gate.sharding.spec == P("expert", None, None)
@@ -264,8 +264,8 @@ def test_placed_forward_has_no_host_transfers_and_does_not_recompile_across_rout
     placement = _placement_for(CFG, params, xd, n)
     mesh = _mesh(n)
     fn, traces = _program(CFG, mesh, placement)  # the program of test_placed_forward_equals_unplaced[8]
-    sharded = parallel.shard_params(params, CFG, mesh)
-    placed = parallel.shard_params(params, CFG, mesh, placement=placement)
+    sharded = sharding.shard_params(params, CFG, mesh)
+    placed = sharding.shard_params(params, CFG, mesh, placement=placement)
     put = functools.partial(jax.device_put, device=NamedSharding(mesh, P()))
     fn(sharded, placed, put(xd), put(xf))
     compiled = len(traces)
@@ -275,8 +275,8 @@ def test_placed_forward_has_no_host_transfers_and_does_not_recompile_across_rout
         x2, x3 = put(rng.standard_normal(xd.shape, np.float32)), put(rng.standard_normal(xf.shape, np.float32))
         with jax.transfer_guard("disallow"):
             out = jax.block_until_ready(fn(sharded, placed, x2, x3))
-        loads.append(np.asarray(out["replicated_placed"][1].device_load))
-        np.testing.assert_allclose(out["replicated_placed"][0], out["replicated"][0], **ULPS)
+        loads.append(np.asarray(out["replicated_placed"].stats.device_load))
+        np.testing.assert_allclose(out["replicated_placed"].y, out["replicated"].y, **ULPS)
     assert len(traces) == compiled
     assert not np.array_equal(*loads)
 
@@ -286,19 +286,19 @@ def test_placement_validation_in_parallel():
     mesh = _mesh(2)
     placement = _placement_for(CFG, params, xd, 2)
     with pytest.raises(ValueError, match=r"placement.num_devices=2 != the size 4"):
-        parallel.shard_params(params, CFG, _mesh(4), placement=placement)
+        sharding.shard_params(params, CFG, _mesh(4), placement=placement)
     other = Placement.contiguous(16, 2)
     with pytest.raises(ValueError, match=r"placement.num_experts=16 != num_experts E=32"):
         parallel.moe_forward_ep(params, xd, CFG, mesh=mesh, placement=other)
     with pytest.raises(ValueError, match=r"params.experts has 32 experts, but placement has num_slots=34"):
         parallel.moe_forward_ep(params, xd, CFG, mesh=mesh, placement=placement)
-    placed = parallel.shard_params(params, CFG, mesh, placement=placement)
+    placed = sharding.shard_params(params, CFG, mesh, placement=placement)
     with pytest.raises(ValueError, match=r"params.experts has 34 experts; shard_params\(..., placement=\) takes"):
-        parallel.shard_params(placed, CFG, mesh, placement=placement)
+        sharding.shard_params(placed, CFG, mesh, placement=placement)
     with pytest.raises(TypeError, match=r"placement must be a moejax.placement.Placement"):
         parallel.moe_forward_ep(placed, xd, CFG, mesh=mesh, placement=(0, 1))
     with pytest.raises(ValueError, match="expert_axis=None"):
-        parallel.shard_params(params, CFG, mesh, expert_axis=None, placement=placement)
+        sharding.shard_params(params, CFG, mesh, expert_axis=None, placement=placement)
 
 
 def test_params_carry_their_placement_and_another_one_raises():
@@ -311,7 +311,7 @@ def test_params_carry_their_placement_and_another_one_raises():
     mesh = _mesh(2)
     a = balance(np.arange(32) + 1.0, num_devices=2, num_slots=34)
     b = Placement(a.slot_expert[17:] + a.slot_expert[:17], a.num_experts, a.num_devices)  # same slots, other order
-    placed = parallel.shard_params(params, CFG, mesh, placement=a)
+    placed = sharding.shard_params(params, CFG, mesh, placement=a)
     assert placed.placement == a and params.placement is None
     leaves, treedef = jax.tree.flatten(placed)
     assert jax.tree.unflatten(treedef, leaves).placement == a
@@ -326,17 +326,17 @@ def test_params_carry_their_placement_and_another_one_raises():
     with pytest.raises(ValueError, match=r"params hold their experts in the slot order of Placement\(E=32"):
         moejax.moe_forward(placed, xd, CFG)
     with pytest.raises(ValueError, match=r"params are already laid out by Placement\(E=32"):
-        parallel.shard_params(placed, CFG, mesh)
+        sharding.shard_params(placed, CFG, mesh)
 
     # S = E: a permutation of the experts has the shapes of the logical order (the silent case of the issue)
     perm = Placement(tuple(range(16, 32)) + tuple(range(16)), num_experts=32, num_devices=2)
-    permuted = parallel.shard_params(params, CFG, mesh, placement=perm)
+    permuted = sharding.shard_params(params, CFG, mesh, placement=perm)
     with pytest.raises(ValueError, match=r"S=32, slot_expert sha1 \w+\) but run with placement=no placement"):
         ep(permuted)
     with pytest.raises(ValueError, match=r"placement=Placement\(E=32, n=2, S=32.*slot 0 holds expert 16, not 0"):
         ep(permuted, placement=Placement.contiguous(32, 2))
     with pytest.raises(ValueError, match=r"already laid out by Placement\(E=32, n=2, S=32"):
-        parallel.shard_params(permuted, CFG, mesh, placement=Placement.contiguous(32, 2))
+        sharding.shard_params(permuted, CFG, mesh, placement=Placement.contiguous(32, 2))
 
     def layer_run():  # traced only (eval_shape): the layer's init and call compile nothing
         layer = moejax.MoE(CFG, rngs=nnx.Rngs(0), mesh=mesh, placement=a)

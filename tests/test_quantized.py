@@ -10,14 +10,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from benchmark_scripts import load
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from multihost_worker import numpy_params
 
 import moejax
-import moejax.bench
-from moejax import parallel
+from moejax import parallel, sharding
 from moejax import quantized as Q
 from moejax.hf import expert_tensors as ET
 from moejax.hf import quant_config as QC
@@ -248,7 +248,7 @@ def test_quantized_experts_under_expert_parallelism(mode):
     dense = moejax.init_params(cfg, jax.random.key(0), layout="stacked")
     qparams = moejax.quantize(dense, cfg, "int4", group_size=16, symmetric=False)
     mesh = jax.make_mesh((4, 2), ("expert", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    sharded = parallel.shard_params(qparams, cfg, mesh, tensor_axis="tensor")
+    sharded = sharding.shard_params(qparams, cfg, mesh, tensor_axis="tensor")
     spec = sharded.experts.down_scale.sharding.spec  # scales shard with their experts (and I with the tensor axis)
     assert spec[0] == "expert" and spec[1] == "tensor"
     x = jax.random.normal(jax.random.key(1), (12, cfg.hidden_size))
@@ -274,7 +274,7 @@ def test_nnx_module_holds_quantized_params():
 
 def test_params_stay_packed_in_memory():
     """Routed-expert bytes per format at Qwen3-30B-A3B sizes (shapes only) against the issue's targets."""
-    cfg = moejax.bench.MODEL_LAYERS["qwen3-30b-a3b"]
+    cfg = load("model_layers").MODEL_LAYERS["qwen3-30b-a3b"]
     bf16 = 3 * cfg.num_experts * cfg.hidden_size * cfg.intermediate_size * 2
     for name, limit in (("int8", 0.55), ("fp8_block", 0.55), ("int4", 0.32), ("mxfp4", 0.32), ("nvfp4", 0.32)):
         shapes = jax.eval_shape(functools.partial(Q.format_by_name(name).init, cfg), jax.random.key(0))

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import moejax
 from moejax import dispatch as D
 from moejax.lora import LoRAPair, _target_shapes, from_pairs, stack
-from moejax.parallel import shard_params
+from moejax.sharding import shard_params
 
 T = 8
 STATIC = ("cfg", "impl", "dispatch", "return_stats", "return_routing")
@@ -64,7 +64,8 @@ def test_replayed_routing_gives_the_forward_bit_for_bit(family, mode):
         x = jax.device_put(x, placed)
     if isinstance(dispatch, D.ExpertParallel):
         params = shard_params(params, cfg, dispatch.mesh)
-    y, stats, routing = forward(params, x, cfg, impl="xla", dispatch=dispatch, return_stats=True, return_routing=True)
+    out = forward(params, x, cfg, impl="xla", dispatch=dispatch, return_stats=True, return_routing=True)
+    y, stats, routing = out.y, out.stats, out.routing
     if mode == "local":
         expected = moejax.route(params, x, cfg)
         np.testing.assert_array_equal(routing.indices, expected.indices)
@@ -76,9 +77,9 @@ def test_replayed_routing_gives_the_forward_bit_for_bit(family, mode):
         other = forward(params, x, cfg, impl="xla", routing=shifted)
         assert not np.array_equal(other, y)
     assert (routing.zero_weight is None) == (cfg.num_zero_experts == 0)
-    replayed, replay_stats = forward(params, x, cfg, impl="xla", dispatch=dispatch, routing=routing, return_stats=True)
-    np.testing.assert_array_equal(replayed, y)
-    np.testing.assert_array_equal(replay_stats.expert_load, stats.expert_load)
+    replayed = forward(params, x, cfg, impl="xla", dispatch=dispatch, routing=routing, return_stats=True)
+    np.testing.assert_array_equal(replayed.y, y)
+    np.testing.assert_array_equal(replayed.stats.expert_load, stats.expert_load)
 
 
 def test_gradients_reach_x_and_experts_but_not_the_router():
@@ -119,9 +120,9 @@ def test_a_routing_of_the_wrong_shape_or_dtype_names_the_field():
 
 def test_empty_batch_returns_an_empty_routing():
     cfg, params, _ = _setup("longcat_flash")
-    y, routing = forward(params, jnp.zeros((0, cfg.hidden_size)), cfg, return_routing=True)
-    assert y.shape == (0, cfg.hidden_size) and routing.indices.shape == (0, cfg.top_k)
-    assert routing.zero_weight.shape == (0,)
+    out = forward(params, jnp.zeros((0, cfg.hidden_size)), cfg, return_routing=True)
+    assert out.y.shape == (0, cfg.hidden_size) and out.routing.indices.shape == (0, cfg.top_k)
+    assert out.routing.zero_weight.shape == (0,) and out.stats is None
 
 
 def test_replay_with_lora_skips_the_router_adapters():
@@ -139,7 +140,8 @@ def test_replay_with_lora_skips_the_router_adapters():
     }
     lora = stack([from_pairs(pairs)])
     ids = jnp.array([1, 0, 1, 1], jnp.int32)
-    y, routing = forward(params, x, cfg, impl="xla", lora=lora, adapter_ids=ids, return_routing=True)
+    out = forward(params, x, cfg, impl="xla", lora=lora, adapter_ids=ids, return_routing=True)
+    y, routing = out.y, out.routing
 
     replayed = forward(params, x, cfg, impl="xla", lora=lora, adapter_ids=ids, routing=routing)
     np.testing.assert_array_equal(replayed, y)

@@ -18,7 +18,7 @@ from multihost_worker import numpy_params
 from xla_pipeline import DEFAULT_PIPELINE
 
 import moejax
-from moejax import parallel
+from moejax import parallel, sharding
 from moejax.placement import Placement, balance
 
 ULPS = {"rtol": 2e-6, "atol": 1e-6}
@@ -114,7 +114,8 @@ def test_forward_stats_equal_host_stats_and_leave_the_output_alone(family):
     params, x, t = jax.device_put((params, x, t))
     run(params, x, t)  # compile; the call below must not touch the host
     with jax.transfer_guard("disallow"):
-        y_plain, (y, stats) = run(params, x, t)
+        y_plain, out = run(params, x, t)
+    y, stats = out.y, out.stats
     np.testing.assert_array_equal(y, y_plain)
     expected = host_stats(_routed(params, x, cfg, t), cfg)
     assert_stats_equal(stats, expected)
@@ -133,7 +134,7 @@ def test_stats_accumulate_over_steps_in_scan_and_fori_loop():
     @jax.jit
     def run(params, xs):
         def step(acc, x):
-            stats = moejax.moe_forward(params, x, cfg, return_stats=True)[1]
+            stats = moejax.moe_forward(params, x, cfg, return_stats=True).stats
             return acc + stats, stats
 
         start = moejax.MoEStats.zeros(cfg.num_experts)
@@ -178,16 +179,17 @@ def test_ep_stats_equal_host_stats_in_both_modes_with_and_without_placement():
             "all_to_all": ep(sharded, xf, mode="all_to_all"),
             "replicated placed": ep(placed, xd, mode="replicated", placement=placement),
             "all_to_all placed": ep(placed, xf, mode="all_to_all", placement=placement),
-            "single": (moejax.moe_forward(sharded, xd, cfg, return_stats=True)[1],),
+            "single": moejax.moe_forward(sharded, xd, cfg, return_stats=True).stats,
         }
 
     out = run(
-        parallel.shard_params(params, cfg, mesh),
-        parallel.shard_params(params, cfg, mesh, placement=placement),
+        sharding.shard_params(params, cfg, mesh),
+        sharding.shard_params(params, cfg, mesh, placement=placement),
         *jax.device_put((xd, xf), NamedSharding(mesh, P())),
     )
-    single = out.pop("single")[0]
-    for key, (_, stats) in out.items():
+    single = out.pop("single")
+    for key, result in out.items():
+        stats = result.stats
         mode = key.split()[0]
         x = xd if mode == "replicated" else xf
         expected = host_stats(_routed(params, x, cfg), cfg, n=n, mode=mode, placement=placement if " " in key else None)
@@ -196,12 +198,12 @@ def test_ep_stats_equal_host_stats_in_both_modes_with_and_without_placement():
         if mode == "all_to_all":
             assert expected["remote_pairs"].sum() > 0 and expected["local_pairs"].sum() > 0
     # the per-expert fields do not depend on how the call is split
-    _, replicated = out["replicated"]
+    replicated = out["replicated"].stats
     for name in ("expert_load", "union_size", "zero_pairs", "tokens", "calls"):
         np.testing.assert_array_equal(getattr(single, name), getattr(replicated, name), err_msg=name)
     assert single.device_load.shape == (1,) and replicated.device_load.shape == (n,)
     # balancing shows in the device imbalance of the statistics (the placement was fitted to xf's load)
-    assert out["all_to_all placed"][1].device_imbalance() < out["all_to_all"][1].device_imbalance()
+    assert out["all_to_all placed"].stats.device_imbalance() < out["all_to_all"].stats.device_imbalance()
 
 
 # -- the flax module ----------------------------------------------------------------------------------------
@@ -244,7 +246,8 @@ def test_module_collects_stats_over_steps_of_a_jitted_loop():
 
     # a call's bits equal the loop's: XLA's default pipeline, what users get (the suite's cheap one emits the loop
     # body's dots and reductions otherwise than the call's: ulps apart)
-    ys, collected, (y, stats) = _jit_module(layer, loop, DEFAULT_PIPELINE)(xs)
+    ys, collected, last = _jit_module(layer, loop, DEFAULT_PIPELINE)(xs)
+    y, stats = last.y, last.stats
     expected = [host_stats(_routed(params, x, cfg), cfg) for x in xs]
     assert_stats_equal(collected, total(expected))
     np.testing.assert_array_equal(y, ys[0])

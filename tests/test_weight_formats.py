@@ -14,9 +14,9 @@ from jax.sharding import PartitionSpec as P
 from tables import table
 
 import moejax
-from moejax import parallel
+from moejax import parallel, sharding
 from moejax.experts import expert_activation
-from moejax.params import param_specs, with_experts_layout
+from moejax.params import array_specs, with_experts_layout
 from moejax.weights import (
     ArraySpec,
     ExpertFormat,
@@ -134,16 +134,16 @@ def test_kernels_refuse_the_test_format_and_auto_falls_back():
         moejax.moe_forward(params, x, cfg, tid, impl="pallas")
     kernels = ["pallas_decode", "cpu_decode", "xla_decode"]
     assert moejax.backends.candidates("auto", 3, cfg.top_k)[-2:] == kernels[1:]
-    assert moejax.forward.chosen_impl(params, x, cfg, tid) == "xla_decode"  # stacked: the CPU plans step aside
+    assert moejax.chosen_impl(params, x, cfg, tid) == "xla_decode"  # stacked: the CPU plans step aside
     per_expert = with_experts_layout(params, "per_expert")
-    assert moejax.forward.chosen_impl(per_expert, x, cfg, tid) == "cpu_decode"
+    assert moejax.chosen_impl(per_expert, x, cfg, tid) == "cpu_decode"
 
 
 @pytest.mark.parametrize("mode", ["replicated", "all_to_all"])
 def test_test_format_under_expert_parallelism(mode):
     cfg, params, x, tid = _setup("deepseek_v3", T=12, num_experts=16, n_group=4, topk_group=2)
     mesh = jax.make_mesh((4, 2), ("expert", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    sharded = parallel.shard_params(params, cfg, mesh, tensor_axis="tensor")
+    sharded = sharding.shard_params(params, cfg, mesh, tensor_axis="tensor")
     assert sharded.experts.gate_q.sharding.spec == P("expert", None, "tensor")
     assert sharded.experts.down_scale.sharding.spec == P("expert", None)
     ep = jax.jit(
@@ -179,15 +179,15 @@ def test_layouts_convert_both_ways_and_hold_separate_buffers():
         to_layout(params.experts, "rows")
 
 
-def test_param_specs_come_from_the_declaration():
+def test_array_specs_come_from_the_declaration():
     cfg = moejax.MoEConfig.preset("gpt_oss", num_experts=4)
-    specs = param_specs(cfg, Int8PerChannel)
+    specs = array_specs(cfg, Int8PerChannel)
     assert specs["experts.down_scale"].shape == (4, cfg.hidden_size)
     assert "experts.gate_bias" not in specs  # the format decides its arrays, not the config's bias flag
-    per_expert = param_specs(cfg, ExpertWeights, per_expert=True)  # its parts: FusedExpertWeights, [out, in]
+    per_expert = array_specs(cfg, ExpertWeights, per_expert=True)  # its parts: FusedExpertWeights, [out, in]
     assert per_expert["experts.3.gate_up_bias"].shape == (2 * cfg.intermediate_size,)
     assert per_expert["experts.0.down_weight"].axes == ("embed", "mlp")
-    assert param_specs(cfg, Int8PerChannel, per_expert=True)["experts.1.down_q"].axes == ("mlp", "embed")
+    assert array_specs(cfg, Int8PerChannel, per_expert=True)["experts.1.down_q"].axes == ("mlp", "embed")
 
 
 def test_fused_parts_round_trip_and_compute_the_same():

@@ -83,6 +83,8 @@ def ragged_grouped(experts: Experts, x: Array, slots: Slots, act: GatedActivatio
 
 def on_accelerators(run, fallback, *operands) -> Array:
     """`run(*operands)` in a program lowered for TPU or GPU, `fallback(*operands)` elsewhere (CPU, or several
-    platforms at once), decided while lowering (`pallas_kernels.platform.choose_at_lowering`)."""
+    platforms at once), decided while lowering by the platform alone (`pallas_kernels.platform.choose_at_lowering`
+    with `by_platform`: the program need not hold one mesh, so an expert-parallel call on the Auto view of an
+    Explicit mesh may take it, `moejax.dispatch.ep`)."""
     choose = lambda platform, device_kinds: 0 if platform in ACCELERATORS else 1
-    return choose_at_lowering(choose, (run, fallback), *operands)
+    return choose_at_lowering(choose, (run, fallback), *operands, by_platform=True)

@@ -15,13 +15,16 @@ from moejax.dispatch.base import Dispatch
 from moejax.params import with_experts_layout
 from moejax.placement import Placement, check_placement
 from moejax.sharding import (
+    auto_axes,
     check_kernels_can_run,
     check_mesh,
     is_explicit,
     logical_views,
     match_specs,
+    meshless,
     operand_specs,
     shard_map,
+    traced,
 )
 from moejax.stats import MoEStats
 
@@ -70,10 +73,21 @@ class ExpertParallel(Dispatch):
             flat = jax.tree.map(lambda a: jnp.pad(a, ((0, padded - T),) + ((0, 0),) * (a.ndim - 1)), flat)
         spec = P(self.expert_axis) if self.token_split else P()
         in_specs = (operand_specs(operands, cfg, self.expert_axis, self.tensor_axis), spec)
-        stat_specs = self._stat_specs() if with_stats else P()
-        fn = shard_map(body, self.mesh, in_specs, (spec, stat_specs))
-        outputs, stats = fn(*match_specs((operands, flat), in_specs, self.mesh))
+        out_specs = (spec, self._stat_specs() if with_stats else P())
         explicit = is_explicit(self.mesh)
+        fn = shard_map(body, self.mesh, in_specs, out_specs)
+        run = lambda: fn(*match_specs((operands, flat), in_specs, self.mesh))
+        if explicit and meshless(x):
+            # x's type carries no mesh (a model's activations, made inside its jit outside any mesh context): run
+            # on the mesh's Auto view, so that y's type carries none either and meets the model's other arrays
+            # (a KV cache made in the same jit) without a sharding type error. Not where a backend asks for the
+            # devices while lowering: JAX then wants one mesh across the program (y then carries the mesh).
+            on_auto_view, needs_devices = traced(
+                shard_map(body, auto_axes(self.mesh), in_specs, out_specs), operands, flat
+            )
+            if not needs_devices:
+                run, explicit = on_auto_view, False
+        outputs, stats = run()
         if explicit and self.token_split and (padded != T or len(lead) != 1):
             # Explicit sharding types reject slicing off the padding or splitting T back into x's leading dims
             # while T is split unevenly: gather first (the result then follows x's own sharding below).

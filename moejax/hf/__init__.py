@@ -2,8 +2,8 @@
 
 The one-call path: `cfg, params = moejax.hf.load_layer("path/to/model", 3)` reads a checkpoint directory as
 `save_pretrained` writes it (config.json + safetensors shards) and returns the MoE block of layer 3; no key
-prefix to know. `load_layers` does every MoE layer, reading each shard once; `save_layer` writes a block back
-(a transaction: `moejax.hf.transaction`).
+prefix to know. `load_layers` does every MoE layer (`{layer index: (cfg, params)}`), reading each shard once;
+`save_layer` writes a block back (a transaction: `moejax.hf.transaction`).
 Quantized checkpoints (config.json's `quantization_config` or ModelOpt's `hf_quant_config.json`) load with their
 routed experts still quantized (`moejax.quantized`, docs/FORMATS.md) and save back in their own on-disk form.
 
@@ -16,7 +16,7 @@ Below it, the prefix-level API:
   the fused in-memory tensors of transformers 5 or the per-expert checkpoint keys; `params_to_hf` is its inverse.
 * `load_safetensors(files, cfg, prefix)`: one block from a (sharded) safetensors checkpoint, given its prefix.
 
-PEFT LoRA adapters: `load_adapter(adapter_dir, cfg, layer_idx)` -> `moejax.LoRAParams` of one block (peft 0.21,
+PEFT LoRA adapters: `load_adapter(adapter_dir, cfg, layer_idx)` -> `moejax.lora.LoRAParams` of one block (peft 0.21,
 transformers 5 module names; docs/LORA.md), `save_adapter` writes one back (merged into an existing adapter).
 
 Everything about a family (model types, config mapping, MoE layers, block prefixes per checkpoint class, key

@@ -284,8 +284,9 @@ def load_layers(
     *,
     dtype: Any = None,
     layout: Layout = "auto",
-) -> list[tuple[MoEConfig, MoEParams]]:
-    """`load_layer` for several layers (default: every MoE layer, `moe_layer_indices`), each shard read once.
+) -> dict[int, tuple[MoEConfig, MoEParams]]:
+    """`load_layer` for several layers (default: every MoE layer, `moe_layer_indices`), each shard read once:
+    `{decoder layer index: (cfg, params)}`, in the order of `layer_indices` (default: the model's layer order).
 
     Shards are read in the order the layers need them; a layer is converted as soon as all its tensors are in,
     so at most the layers spanning the current shard are held on the host. A progress bar is shown on a
@@ -314,7 +315,7 @@ def load_layers(
                 loaded[layer] = (cfg, params)
             if advance is not None:
                 advance(os.path.basename(path))
-    return [loaded[layer] for layer in layer_indices]
+    return {layer: loaded[layer] for layer in layer_indices}
 
 
 def load_safetensors(

@@ -1,4 +1,5 @@
-"""`python -m moejax bench`: the XLA plans on real layer shapes, next to ceilings measured in the same run.
+"""`python benchmarks/plans_bench.py [--quick] [--json out.json]`: the XLA plans on real layer shapes, next to
+ceilings measured in the same run.
 
 For each case it prints the step time, the union size (distinct experts read), the achieved GB/s over the
 bytes of the union experts' weights, and the achieved GFLOP/s over the useful routed flops (2·3·H·I per
@@ -10,7 +11,6 @@ every row, and correlated tokens (neighbouring rows share most of their experts,
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import platform
@@ -22,35 +22,11 @@ from typing import TextIO
 import jax
 import jax.numpy as jnp
 import numpy as np
+from model_layers import MODEL_LAYERS, Layer  # this script's directory is on sys.path
 
+from moejax import chosen_impl, init_params, moe_forward, route
 from moejax.analysis import union_size
 from moejax.config import MoEConfig
-from moejax.forward import chosen_impl, moe_forward
-from moejax.params import init_params
-from moejax.routing import route
-
-
-@dataclasses.dataclass(frozen=True)
-class Layer:
-    name: str
-    cfg: MoEConfig
-
-
-# Real MoE layer shapes, the one table the benchmarks and the CUDA lowering tests size themselves from.
-MODEL_LAYERS: dict[str, MoEConfig] = {
-    "qwen3-30b-a3b": MoEConfig.preset("qwen3_moe", hidden_size=2048, num_experts=128, top_k=8, intermediate_size=768),
-    "mixtral-8x7b": MoEConfig.preset("mixtral", hidden_size=4096, num_experts=8, top_k=2, intermediate_size=14336),
-    "deepseek-v3": MoEConfig.preset(
-        "deepseek_v3",
-        hidden_size=7168,
-        num_experts=256,
-        top_k=8,
-        intermediate_size=2048,
-        n_group=8,
-        topk_group=4,
-        shared_intermediate_size=2048,
-    ),
-}
 
 
 def layers(quick: bool) -> list[Layer]:
@@ -247,3 +223,14 @@ def run(args: argparse.Namespace) -> list[dict]:
         with open(args.json, "w") as f:
             json.dump({"header": header, "rows": rows}, f, indent=1)
     return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="the XLA plans on real layer shapes against measured ceilings")
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
