@@ -26,7 +26,18 @@ from moejax.eager import cached_when_eager
 from moejax.experts import Slots, expert_activation, shared_expert_ffn, slots_from_routing
 from moejax.lora import ExpertLoRA, LoRAParams, SharedLoRA, adapt, as_adapter_ids, check_lora, clamp_ids
 from moejax.params import MoEParams, SharedParams, check_params
-from moejax.routing import Routing, as_token_ids, check_route_inputs, check_row_ids, rms_normalize, route, router_logits
+from moejax.routing import (
+    Routing,
+    as_routing_indices,
+    as_token_ids,
+    check_route_inputs,
+    check_row_ids,
+    replayed_indices,
+    rms_normalize,
+    route,
+    router_logits,
+    selectable,
+)
 from moejax.stats import MoEStats
 from moejax.weights import Experts
 
@@ -62,11 +73,15 @@ def check_inputs(params: MoEParams, x: Array, cfg: MoEConfig, token_ids: Array |
     check_route_inputs(x, cfg, token_ids)
 
 
-def _checked_inputs(params, x, cfg, token_ids, lora, adapter_ids):
-    """The token ids and adapter ids as arrays, after the trace-time checks of every input."""
+def _checked_inputs(params, x, cfg, token_ids, lora, adapter_ids, routing=None):
+    """The token ids, adapter ids and routing as arrays, after the trace-time checks of every input; host routing
+    ids are clipped to [-1, num_selectable] in their own type (out-of-range ids stay out of range for the check)."""
     token_ids = as_token_ids(token_ids, cfg)
     check_inputs(params, x, cfg, token_ids)
-    return token_ids, check_lora_inputs(lora, adapter_ids, x, cfg)
+    check_routing(routing, x, cfg)
+    if routing is not None:
+        routing = dataclasses.replace(routing, indices=as_routing_indices(routing.indices, cfg.num_selectable))
+    return token_ids, check_lora_inputs(lora, adapter_ids, x, cfg), routing
 
 
 def check_lora_inputs(lora: LoRAParams | None, adapter_ids, x: Array, cfg: MoEConfig):
@@ -167,7 +182,7 @@ def moe_forward(
         if lora is not None:
             rows["adapter"] = clamp_ids(adapter_ids, lora.num_ids)
         if routing is not None:
-            rows["routing"] = _routing_rows(routing, x.shape[:-1])
+            rows["routing"] = _routing_rows(routing, x.shape[:-1], cfg)
         body = functools.partial(
             _pipeline,
             cfg=cfg,
@@ -275,10 +290,12 @@ def check_routing(routing: Routing | None, x: Array, cfg: MoEConfig) -> None:
             raise ValueError(f"routing.{field} must be {kind.__name__} (shape {shape}), got dtype {value.dtype}")
 
 
-def _routing_rows(routing: Routing, lead: tuple[int, ...]) -> Routing:
-    """The given routing as per-row operands (leading dims those of x), without the logits (not read)."""
+def _routing_rows(routing: Routing, lead: tuple[int, ...], cfg: MoEConfig) -> Routing:
+    """The given routing as per-row operands (leading dims those of x), without the logits (not read); ids
+    outside [0, num_selectable) become num_selectable, which every backend and dispatch mode skips
+    (`moejax.routing.replayed_indices`)."""
     rows = lambda a: None if a is None else a.reshape(*lead, *a.shape[1:])
-    indices = routing.indices.astype(jnp.int32)
+    indices = replayed_indices(routing.indices, cfg.num_selectable)
     return Routing(rows(indices), rows(routing.weights), None, rows(routing.zero_weight))
 
 
@@ -396,30 +413,37 @@ def add_once_terms(
     return out
 
 
-def checked_moe_forward(params, x, cfg, token_ids=None, impl="auto", *, lora=None, adapter_ids=None) -> Array:
+def checked_moe_forward(
+    params, x, cfg, token_ids=None, impl="auto", *, lora=None, adapter_ids=None, routing=None
+) -> Array:
     """`moe_forward` (its arguments and types) that raises on what the unchecked forward defines away inside jit.
     Call it outside jit.
 
     Raises `checkify.JaxRuntimeError` when any router logit is not finite, (hash routing) a token id is
-    outside [0, vocab_size) or a table entry outside [0, num_experts + num_zero_experts), or (LoRA) an adapter
-    id is outside [0, n] for a stack of n adapters. Jitted with
-    `jax.experimental.checkify`; costs one extra router matmul (shared with the forward by XLA's CSE).
+    outside [0, vocab_size) or a table entry outside [0, num_experts + num_zero_experts), (LoRA) an adapter
+    id is outside [0, n] for a stack of n adapters, or (routing replay) an id of `routing.indices` is outside
+    [0, num_experts + num_zero_experts). With `routing` the router is not run, so its checks are skipped.
+    Jitted with `jax.experimental.checkify`; without `routing` costs one extra router matmul (shared with the
+    forward by XLA's CSE).
 
     Inside your own `jax.jit` a check cannot raise: use `moe_forward_with_checks` there, and functionalize the
     checks of the whole step with `checkify.checkify(jax.jit(step))` (see its docstring).
     """
-    token_ids, adapter_ids = _checked_inputs(params, x, cfg, token_ids, lora, adapter_ids)
-    if any(isinstance(a, jax.core.Tracer) for a in (x, token_ids, adapter_ids, *jax.tree.leaves((params, lora)))):
+    token_ids, adapter_ids, routing = _checked_inputs(params, x, cfg, token_ids, lora, adapter_ids, routing)
+    operands = (x, token_ids, adapter_ids, *jax.tree.leaves((params, lora, routing)))
+    if any(isinstance(a, jax.core.Tracer) for a in operands):
         raise TypeError(
             "checked_moe_forward raises, so it runs outside jit; inside a traced function call "
             "moejax.forward.moe_forward_with_checks and wrap the step: checkify.checkify(jax.jit(step))"
         )
-    err, y = _checked_forward(params, x, token_ids, lora, adapter_ids, cfg, impl)
+    err, y = _checked_forward(params, x, token_ids, lora, adapter_ids, routing, cfg, impl)
     err.throw()
     return y
 
 
-def moe_forward_with_checks(params, x, cfg, token_ids=None, impl="auto", *, lora=None, adapter_ids=None) -> Array:
+def moe_forward_with_checks(
+    params, x, cfg, token_ids=None, impl="auto", *, lora=None, adapter_ids=None, routing=None
+) -> Array:
     """`moe_forward` plus the `checkify.check`s of `checked_moe_forward` (same arguments, same types), for use
     inside the caller's own jit.
 
@@ -432,29 +456,34 @@ def moe_forward_with_checks(params, x, cfg, token_ids=None, impl="auto", *, lora
     Called with no enclosing `checkify.checkify`, tracing fails ("Cannot abstractly evaluate a checkify.check
     which was not functionalized"). Outside jit, `checked_moe_forward` does both steps for you.
     """
-    token_ids, adapter_ids = _checked_inputs(params, x, cfg, token_ids, lora, adapter_ids)
+    token_ids, adapter_ids, routing = _checked_inputs(params, x, cfg, token_ids, lora, adapter_ids, routing)
     if lora is not None:
         n = lora.num_ids - 1
         in_range = (adapter_ids >= 0) & (adapter_ids <= n)
         checkify.check(jnp.all(in_range), f"moejax: adapter_ids outside [0, {n}] (the stack's adapters, 0 = none)")
-    router_lora = None if lora is None else lora.router
-    adapter = None if lora is None else clamp_ids(adapter_ids, lora.num_ids).reshape(-1)
-    logits = router_logits(params.router, x.reshape(-1, cfg.hidden_size), cfg, router_lora, adapter)
-    checkify.check(jnp.all(jnp.isfinite(logits)), "moejax: non-finite router logits")
-    if cfg.hash_routing:
-        in_range = (token_ids >= 0) & (token_ids < cfg.vocab_size)
-        checkify.check(jnp.all(in_range), f"moejax: token_ids outside [0, vocab_size={cfg.vocab_size})")
-        table = params.router.tid2eid
-        ok_table = (table >= 0) & (table < cfg.num_selectable)
-        checkify.check(jnp.all(ok_table), f"moejax: tid2eid entries outside [0, {cfg.num_selectable})")
-    return moe_forward(params, x, cfg, token_ids, impl, lora=lora, adapter_ids=adapter_ids)
+    if routing is not None:
+        N = cfg.num_selectable
+        in_range = selectable(routing.indices, N)
+        checkify.check(jnp.all(in_range), f"moejax: routing.indices outside [0, num_selectable={N})")
+    else:
+        router_lora = None if lora is None else lora.router
+        adapter = None if lora is None else clamp_ids(adapter_ids, lora.num_ids).reshape(-1)
+        logits = router_logits(params.router, x.reshape(-1, cfg.hidden_size), cfg, router_lora, adapter)
+        checkify.check(jnp.all(jnp.isfinite(logits)), "moejax: non-finite router logits")
+        if cfg.hash_routing:
+            in_range = (token_ids >= 0) & (token_ids < cfg.vocab_size)
+            checkify.check(jnp.all(in_range), f"moejax: token_ids outside [0, vocab_size={cfg.vocab_size})")
+            table = params.router.tid2eid
+            ok_table = (table >= 0) & (table < cfg.num_selectable)
+            checkify.check(jnp.all(ok_table), f"moejax: tid2eid entries outside [0, {cfg.num_selectable})")
+    return moe_forward(params, x, cfg, token_ids, impl, lora=lora, adapter_ids=adapter_ids, routing=routing)
 
 
 _checked_forward = jax.jit(
     checkify.checkify(
-        lambda params, x, token_ids, lora, adapter_ids, cfg, impl: moe_forward_with_checks(
-            params, x, cfg, token_ids, impl, lora=lora, adapter_ids=adapter_ids
+        lambda params, x, token_ids, lora, adapter_ids, routing, cfg, impl: moe_forward_with_checks(
+            params, x, cfg, token_ids, impl, lora=lora, adapter_ids=adapter_ids, routing=routing
         )
     ),
-    static_argnums=(5, 6),
+    static_argnums=(6, 7),
 )

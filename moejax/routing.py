@@ -208,6 +208,31 @@ def check_row_ids(name: str, ids, x) -> None:
         raise TypeError(f"{name} must be integers, got dtype {ids.dtype}")
 
 
+def selectable(indices, num_selectable: int) -> Array:
+    """Whether each id of `indices` lies in [0, num_selectable), compared in the ids' own integer type (a uint32
+    id >= 2**31 is large, not negative; no int8 id reaches 128)."""
+    info = jnp.iinfo(indices.dtype)
+    inside = indices >= 0 if info.min < 0 else jnp.ones(indices.shape, bool)
+    return inside & (indices < num_selectable) if num_selectable <= info.max else inside
+
+
+def as_routing_indices(indices, num_selectable: int):
+    """A given routing's ids: host arrays (numpy, any integer type) as int32, clipped to [-1, num_selectable] in
+    their own type first (`clip_host_ids`: an int64 2**32 + 1 stays out of range instead of wrapping to 1);
+    device arrays and tracers unchanged."""
+    if isinstance(indices, np.ndarray | np.integer):
+        return jnp.asarray(clip_host_ids("routing.indices", indices, -1, num_selectable))
+    return indices
+
+
+def replayed_indices(indices, num_selectable: int) -> Array:
+    """A given routing's ids as int32, each id outside [0, N) replaced by N (N = `num_selectable`): an id no plan
+    computes (ids >= E are skipped) and no dispatch mode sends, so its slot contributes nothing on every backend.
+    Host ids first go through `as_routing_indices`."""
+    indices = as_routing_indices(indices, num_selectable)
+    return jnp.where(selectable(indices, num_selectable), indices.astype(jnp.int32), jnp.int32(num_selectable))
+
+
 def hash_indices(tid2eid: Array, token_ids: Array, cfg: MoEConfig) -> Array:
     """Expert ids `[T, K]` from the token-id table; ids out of range are clamped (documented above).
 

@@ -177,3 +177,40 @@ def test_eager_layer_call_is_cached():
     assert int(layer.stats.calls) == CALLS
     jitted = nnx.jit(lambda m, v: m(v))
     assert_eager_about_as_fast(lambda: layer(x), lambda: jitted(layer, x))
+
+
+@pytest.fixture
+def max_programs():
+    """Sets `moejax.eager`'s program budget for one test, then restores it."""
+    kept = moejax.eager.max_programs()
+    yield moejax.eager.set_max_programs
+    moejax.eager.set_max_programs(kept)
+
+
+def test_eager_programs_are_bounded_least_recently_called_first(max_programs):
+    """Eager calls over many row counts keep at most `max_programs()` programs: the most recent ones are reused,
+    a dropped one compiles again, and every call still gives the jitted call's bits. On main every row count's
+    program stayed for the life of the process (~5 MB each)."""
+    max_programs(3)
+    forward = moejax.moe_forward
+    forward.clear_cache()
+    jitted = jax.jit(forward.uncached, static_argnames=("cfg",))
+    sizes = (1, 2, 3, 5, 7, 11, 13)
+    with counted_compiles() as compiles:
+        for T in sizes:
+            cfg, params, x = _setup(T)
+            np.testing.assert_array_equal(forward(params, x, cfg), jitted(params, x, cfg))
+            assert forward.cached_programs() <= 3
+    assert compiles.count("jit(moe_forward)") == 2 * len(sizes)  # one eager, one jitted program per row count
+    for T, recompiles in ((13, 0), (7, 0), (1, 1), (5, 1)):
+        cfg, params, x = _setup(T)
+        with counted_compiles() as compiles:
+            forward(params, x, cfg).block_until_ready()
+        assert len(compiles) == recompiles, (T, compiles)
+    assert forward.cached_programs() == 3
+
+
+def test_max_programs_is_a_positive_integer(max_programs):
+    for bad in (0, -1, 2.0, True, None):
+        with pytest.raises(ValueError, match="max programs must be an integer >= 1"):
+            max_programs(bad)

@@ -159,6 +159,23 @@ def test_index_entries_outside_the_directory_are_refused_unopened(tmp_path, monk
     assert not any(f == "/etc/passwd" or f.startswith(str(tmp_path / "elsewhere")) for f in opened)
 
 
+def test_an_index_naming_a_missing_shard(tmp_path):
+    """Loading the layer, or saving another one (which would keep the entry), names the index and the file, and
+    the save writes nothing; the layers whose shards are there still load."""
+    _dense_checkpoint(tmp_path)
+    _, params = hf.load_layer(tmp_path, 0)
+    missing = "model-00002-of-00002.safetensors"
+    os.unlink(tmp_path / missing)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(ValueError, match=rf"layer 1: the index maps .* to {missing}, which is missing from {tmp_path}"):
+        hf.load_layer(tmp_path, 1)
+    index = tmp_path / "model.safetensors.index.json"
+    with pytest.raises(ValueError, match=rf"{index}: the index maps .* to {missing}, which is missing from {tmp_path}"):
+        hf.save_layer(tmp_path, 0, params)
+    assert sorted(set(os.listdir(tmp_path)) - {".moejax.lock"}) == before
+    assert hf.load_layer(tmp_path, 0)[1].router.kernel.shape == (H, E)
+
+
 def test_a_symlinked_shard_inside_the_directory_still_loads(tmp_path):
     """A Hugging Face cache snapshot links each shard to a blob outside the snapshot directory: allowed."""
     snapshot = tmp_path / "snapshots" / "abc"

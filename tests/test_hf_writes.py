@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import stat
@@ -518,6 +519,75 @@ def test_a_wrong_hf_config_raises_before_anything_is_written(tmp_path, blocks):
     with pytest.raises(ValueError):
         hf.save_layer(tmp_path / "ckpt", SAVED, new, hf_config={**config, "hidden_size": 32})
     assert {k: v for k, v in _tree(tmp_path / "ckpt").items() if k != ".moejax.lock"} == before
+
+
+# -- journals a save did not write -----------------------------------------------------------------------------
+
+JOURNAL = ".moejax-journal.json"
+_SHA = "sha"  # stands for the SHA-256 of the directory's index in a journal below
+
+
+# name -> the journal (a JSON value, or raw bytes) left in the directory; "live" stands for a shard the index uses.
+_FOREIGN_JOURNALS = {
+    "index null": {"index": None, "created": ["config.json", "generation_config.json", "live"], "obsolete": []},
+    "another index": {
+        "index": INDEX,
+        "index_sha256": ["0" * 64, "1" * 64],
+        "created": ["spare.safetensors"],
+        "obsolete": ["live"],
+    },
+    "no digests": {"index": INDEX, "created": ["spare.safetensors"], "obsolete": ["config.json"]},
+    "not a shard": {"index": INDEX, "index_sha256": [_SHA, _SHA], "created": [], "obsolete": ["tokenizer.json"]},
+    "non-string entry": {"index": INDEX, "index_sha256": [_SHA, _SHA], "created": [1], "obsolete": []},
+    "a string for a list": {"index": INDEX, "index_sha256": [_SHA, _SHA], "created": "config.json", "obsolete": []},
+    "outside": {"index": INDEX, "index_sha256": [_SHA, _SHA], "created": ["../ckpt2/x.safetensors"], "obsolete": []},
+    "not JSON": b'{"index": "model.safetensors.index.json", "created": ["spare.safetensors"',
+}
+
+
+@pytest.mark.parametrize("case", list(_FOREIGN_JOURNALS))
+def test_a_journal_not_its_own_deletes_nothing(tmp_path, blocks, case):
+    """A stale, foreign or malformed journal is refused, naming it and what to do, and no file goes (config,
+    generation config, tokenizer, a live shard, an unreferenced shard of the user's); once it is deleted, the
+    save succeeds."""
+    old, new = blocks
+    directory = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE, directory)
+    (directory / "generation_config.json").write_text('{"do_sample": true}')
+    (directory / "tokenizer.json").write_text("{}")
+    shutil.copy(directory / sorted(_referenced(directory))[0], directory / "spare.safetensors")
+    live = json.loads((directory / INDEX).read_text())["weight_map"][f"model.layers.{SAVED}.mlp.gate.weight"]
+    journal = _FOREIGN_JOURNALS[case]
+    if not isinstance(journal, bytes):
+        sha = hashlib.sha256((directory / INDEX).read_bytes()).hexdigest()
+        journal = json.dumps(journal).replace('"live"', json.dumps(live)).replace(f'"{_SHA}"', json.dumps(sha))
+        journal = journal.encode()
+    (directory / JOURNAL).write_bytes(journal)
+    before = _tree(directory)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(directory / JOURNAL))} was not written by .*delete"):
+        hf.save_layer(directory, SAVED, new)
+    assert {k: v for k, v in _tree(directory).items() if k != ".moejax.lock"} == before
+    assert _state(directory, old, new) == "old"
+    os.unlink(directory / JOURNAL)
+    hf.save_layer(directory, SAVED, new)
+    assert _state(directory, old, new) == "new"
+    assert {"generation_config.json", "tokenizer.json", "spare.safetensors"} <= set(os.listdir(directory))
+
+
+def test_its_own_journal_removes_only_unreferenced_shards(tmp_path, blocks):
+    """A journal whose recorded index is the one on disk: the shards it names that the index does not reference
+    go, the ones it references stay."""
+    old, new = blocks
+    directory = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE, directory)
+    live = sorted(_referenced(directory))[0]
+    shutil.copy(directory / live, directory / "model-moejax-layer-00001.safetensors")
+    sha = hashlib.sha256((directory / INDEX).read_bytes()).hexdigest()
+    record = {"index": INDEX, "index_sha256": [sha, "0" * 64], "created": ["model-moejax-layer-00001.safetensors"]}
+    (directory / JOURNAL).write_text(json.dumps(record | {"obsolete": [live]}))
+    hf.save_layer(directory, SAVED, new)
+    assert _state(directory, old, new) == "new"
+    _assert_clean(directory)
 
 
 # -- save_adapter -----------------------------------------------------------------------------------------------

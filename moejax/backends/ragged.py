@@ -1,8 +1,8 @@
 """The "ragged" backend: grouped prefill on `jax.lax.ragged_dot`, XLA's own grouped matmul (a native kernel on TPU
 and GPU).
 
-Same contract as the other backends (`moejax.backends`): float32 `[T, H]` `Σ_k w_k · E_k(s_k · x)`, skipped ids (>= E)
-contribute nothing, Llama-4's input scaling through `Slots.in_scale`.
+Same contract as the other backends (`moejax.backends`): float32 `[T, H]` `Σ_k w_k · E_k(s_k · x)`, skipped ids
+(outside [0, E)) contribute nothing, Llama-4's input scaling through `Slots.in_scale`.
 
 1. Stable argsort of the T·K (token, slot) pairs by expert id; skipped ids sort last. `group_sizes[e]` counts
    expert e's pairs; rows past `Σ group_sizes` (the skipped pairs) belong to no group, and `ragged_dot` leaves
@@ -26,6 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moejax.backends.xla import computed_slots
 from moejax.experts import Slots, combine_slots
 from moejax.weights import Experts, ExpertWeights
 from pallas_kernels.activations import GatedActivation
@@ -58,7 +59,8 @@ def ragged_grouped(experts: Experts, x: Array, slots: Slots, act: GatedActivatio
     M = T * K
     dtype = experts.dtype
 
-    expert_of_pair = jnp.minimum(slots.indices.reshape(-1), E)  # [M]; skipped ids -> E, sorted last
+    valid = computed_slots(slots.indices, E)  # [T, K]
+    expert_of_pair = jnp.where(valid, slots.indices, E).reshape(-1)  # [M]; skipped ids -> E, sorted last
     order = jnp.argsort(expert_of_pair, stable=True)  # [M] the pair at each sorted row
     sorted_expert = jnp.minimum(expert_of_pair[order], E - 1)  # [M] (clamped: for bias gathers only)
     group_sizes = jnp.bincount(expert_of_pair, length=E + 1)[:E].astype(jnp.int32)  # [E]
@@ -78,7 +80,7 @@ def ragged_grouped(experts: Experts, x: Array, slots: Slots, act: GatedActivatio
     # Un-sort by a gather (XLA:TPU compiles a [M, H] scatter far more slowly); skipped pairs' rows are zero.
     sorted_row = jnp.zeros(M, jnp.int32).at[order].set(jnp.arange(M, dtype=jnp.int32))  # [M] each pair's row
     per_pair = y[sorted_row]  # [M, H]
-    return combine_slots(per_pair.reshape(T, K, -1), slots.out_weight)
+    return combine_slots(per_pair.reshape(T, K, -1), jnp.where(valid, slots.out_weight, 0.0))
 
 
 def on_accelerators(run, fallback, *operands) -> Array:

@@ -17,7 +17,7 @@ Decode (T <= 8 rows, T·K <= 64 slots): weight reads dominate, so each expert ch
 
 Grouped (prefill, any T): arithmetic dominates, so (token, slot) pairs are sorted by expert and multiplied in
 blocks per expert (dropless: an expert with n pairs gets ceil(n / B) blocks).
-  1. Stable argsort of the pairs by expert id (zero-computation experts sort last and are never computed).
+  1. Stable argsort of the pairs by expert id (ids outside [0, E) sort last and are never computed).
   2. Block b belongs to expert `block_expert[b]` and covers sorted rows `[row_start[b], row_start[b] + B)`; a
      `fori_loop` over the real blocks (a device count) gathers those rows' tokens, runs the expert, and writes
      the rows back in sorted order. Blocks run in expert order, so padding rows that spill into the next
@@ -44,6 +44,14 @@ DECODE_MAX_ROWS = 8
 DECODE_MAX_SLOTS = 64
 
 
+def computed_slots(indices: Array, num_experts: int) -> Array:
+    """`[T, K]` bool: the slots whose id is an expert of the plan, in [0, E). The others (zero experts, experts
+    on other devices, negative ids of a replayed or hand-made routing) are skipped: never computed, and their
+    output weight is taken as 0 whatever it holds, since what the plans leave in their rows is another
+    expert's output (union expert 0 in decode, a padding spill in grouped)."""
+    return (indices >= 0) & (indices < num_experts)
+
+
 def decode_fits(num_rows: int, top_k: int) -> bool:
     """Whether the decode plan serves `num_rows` rows of `top_k` slots (its static buffers hold T·K slots)."""
     return num_rows <= DECODE_MAX_ROWS and num_rows * top_k <= DECODE_MAX_SLOTS
@@ -65,11 +73,12 @@ def decode_plan(experts: Experts, x: Array, slots: Slots, act: GatedActivation, 
     extra = () if ids is None else (ids,)
     M = T * K
     E = experts.num_experts
+    valid = computed_slots(slots.indices, E)
     union_ids, n_union, slot_position = union_of_experts(slots.indices, E)
     if slots.in_scale is not None:
         # Row t's input scale for union expert u (summed over its slots that chose u).
         hit = slot_position[None] == jnp.arange(M)[:, None, None]  # [M, T, K]
-        hit &= (slots.indices < E)[None]
+        hit &= valid[None]
         row_scale = jnp.einsum("utk,tk->ut", hit.astype(jnp.float32), slots.in_scale)  # [M, T]
 
     def one_union_expert(u: Array, outputs: Array) -> Array:
@@ -79,8 +88,8 @@ def decode_plan(experts: Experts, x: Array, slots: Slots, act: GatedActivation, 
 
     outputs = jnp.zeros((M, T, x.shape[-1]), jnp.float32)  # [M, T, H]
     outputs = jax.lax.fori_loop(0, n_union, one_union_expert, outputs)
-    per_slot = outputs[slot_position, jnp.arange(T)[:, None]]  # [T, K, H]
-    return combine_slots(per_slot, slots.out_weight)
+    per_slot = outputs[slot_position, jnp.arange(T)[:, None]]  # [T, K, H]; a skipped slot reads union expert 0
+    return combine_slots(per_slot, jnp.where(valid, slots.out_weight, 0.0))
 
 
 def grouped_block_rows(num_pairs: int, num_experts: int) -> int:
@@ -112,7 +121,8 @@ def grouped_plan(
     E, H, M = experts.num_experts, x.shape[-1], T * K
     B = block_rows or grouped_block_rows(M, E)
 
-    expert_of_pair = jnp.minimum(slots.indices.reshape(-1), E)  # [M]; zero experts -> E (sorted last)
+    valid = computed_slots(slots.indices, E)
+    expert_of_pair = jnp.where(valid, slots.indices, E).reshape(-1)  # [M]; skipped ids -> E (sorted last)
     order = jnp.argsort(expert_of_pair, stable=True)  # [M] pair at each sorted row
     counts = jnp.bincount(expert_of_pair, length=E + 1)[:E]  # [E]
     blocks = -(-counts // B)  # [E]
@@ -139,5 +149,5 @@ def grouped_plan(
 
     sorted_out = jnp.zeros((M + B, H), jnp.float32)  # B spare rows: a last block never clamps its start
     sorted_out = jax.lax.fori_loop(0, jnp.sum(blocks), one_block, sorted_out)
-    per_pair = jnp.zeros((M, H), jnp.float32).at[order].set(sorted_out[:M])  # un-sort
-    return combine_slots(per_pair.reshape(T, K, H), slots.out_weight)
+    per_pair = jnp.zeros((M, H), jnp.float32).at[order].set(sorted_out[:M])  # un-sort; skipped: a block's spill
+    return combine_slots(per_pair.reshape(T, K, H), jnp.where(valid, slots.out_weight, 0.0))

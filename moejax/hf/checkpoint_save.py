@@ -117,7 +117,8 @@ def save_layer(
       the new shard's path.
     Raises:
       ValueError: no config.json and no `hf_config`; quantized params without a quantization config; an index
-        entry pointing outside the directory (naming the index and the entry); what `layer_tensors` raises.
+        entry pointing outside the directory or to a missing shard (naming the index and the entry or file); a
+        journal `moejax.hf.transaction` cannot prove its own (naming it); what `layer_tensors` raises.
       TimeoutError: another writer held the directory's lock for `transaction.LOCK_TIMEOUT_S` seconds.
     """
     path = os.fspath(checkpoint)
@@ -145,14 +146,17 @@ def save_layer(
             with_dense, hqc = _ignore_dense_modules(config, quant, tensors, block.at(layer_idx), params)
             config_changed = config_changed or with_dense is not config
             config = with_dense
+        owned = []
+        if existing is not None:
+            prefix = existing.at(layer_idx)
+            owned = [k for k in weight_map if k.startswith(prefix) and existing.keys.owns(k[len(prefix) :])]
+        _check_kept_shards(path, weight_map, owned)
         # Everything is validated; from here on only temporary files are written until `commit`.
         if weight_map and not indexed:  # readers without an index glob *.safetensors: name the old files first
             _stage_index(tx, path, weight_map, {})
             tx.commit()
         sizes: dict[str, int] = {}
-        if existing is not None:
-            prefix = existing.at(layer_idx)
-            owned = [k for k in weight_map if k.startswith(prefix) and existing.keys.owns(k[len(prefix) :])]
+        if owned:
             _drop_keys(tx, path, weight_map, owned, sizes)
         shard = _fresh_name(path, weight_map, sizes, f"model-moejax-layer-{layer_idx:05d}")
         sizes[shard] = _create_shard(tx, shard, tensors)
@@ -223,6 +227,14 @@ def _relative_weight_map(path: str) -> dict[str, str]:
         transaction.inside(path, name, source)
         relative[key] = os.path.normpath(name)
     return relative
+
+
+def _check_kept_shards(path: str, weight_map: dict[str, str], replaced: list[str]) -> None:
+    """ValueError naming the index and the file when a shard the saved index keeps referencing (any but the
+    keys of the block being `replaced`) is missing: the save would write an index that points at nothing."""
+    dropped = set(replaced)
+    kept = {key: os.path.join(path, file) for key, file in weight_map.items() if key not in dropped}
+    shards.check_files_exist(shards.by_file(kept, kept), os.path.join(path, shards.INDEX))
 
 
 def _fresh_name(path: str, weight_map: dict[str, str], sizes: dict[str, int], stem: str) -> str:

@@ -10,16 +10,22 @@ a complete file. The discipline is git's and SQLite's: write new, then rename.
    file readers know: an index, a config) write `data` to a temporary file in the same directory and fsync it.
    Nothing a reader sees has changed yet: callers stage only after every validation.
 3. `commit()`: a journal (`.moejax-journal.json`) names the files being created and the files that become
-   obsolete; the created files are renamed into place (unreferenced: readers do not see them), the directory
-   fsynced; then each replaced name is swapped in with `os.replace`, in the order staged (the swap of the index
-   is the moment readers switch from the old files to the new ones), the directory fsynced; then the obsolete
-   files are removed and the journal last.
+   obsolete (shards only: `.safetensors` names), and the SHA-256 of the index before and after the commit;
+   the created files are renamed into place (unreferenced: readers do not see them), the directory fsynced;
+   then each replaced name is swapped in with `os.replace`, in the order staged (the swap of the index is the
+   moment readers switch from the old files to the new ones), the directory fsynced; then the obsolete files
+   are removed and the journal last.
 
 A crash at any point leaves temporary files and maybe the journal; the next transaction's `recover` keeps the
 created / obsolete files the current index references and removes the others, so the directory holds exactly
-the old checkpoint or exactly the new one. `os.replace` and `os.unlink` act on a name, never through it: a
-name that is a symlink (a Hugging Face cache snapshot points into `blobs/`) is replaced by a regular file, and
-the blob it pointed to, shared with other revisions, is never written or deleted.
+the old checkpoint or exactly the new one. A journal is trusted only as far as it is provably its own: its
+fields are lists of shard names inside the directory, and the index on disk is one of the two it recorded. Any
+other journal (stale, from another tool, edited, or one without the digests) deletes nothing: it
+is refused with a ValueError naming it, since a wrong guess would delete live files.
+
+`os.replace` and `os.unlink` act on a name, never through it: a name that is a symlink (a Hugging Face cache
+snapshot points into `blobs/`) is replaced by a regular file, and the blob it pointed to, shared with other
+revisions, is never written or deleted.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import secrets
@@ -35,6 +42,7 @@ from typing import Any
 
 LOCK = ".moejax.lock"
 JOURNAL = ".moejax-journal.json"
+SHARD_SUFFIX = ".safetensors"  # the only files a transaction creates under new names or makes obsolete
 TEMP_MARK = ".moejax-tmp-"  # temporary names: f".{name}{TEMP_MARK}{random}", never a name a reader looks for
 LOCK_TIMEOUT_S = 600.0
 _POLL_S = 0.05
@@ -89,24 +97,82 @@ def _referenced(path: str, index: str | None) -> set[str]:
     return {os.path.normpath(file) for file in weight_map.values()}
 
 
-def recover(path: str) -> None:
-    """Finish or undo a transaction a crash interrupted in `path` (the caller holds the lock): files the journal
-    names are kept where the current index references them and removed otherwise; stale temporary files go."""
+def _digest(path: str) -> str | None:
+    """SHA-256 (hex) of the file `path`, None when there is none."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+def _names(record: dict[str, Any], field: str, path: str, journal: str) -> list[str]:
+    """The journal's `field`: a list of shard names inside `path`, else ValueError (`_foreign`)."""
+    names = record.get(field)
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise _foreign(journal, f"{field!r} is {names!r:.200}, not a list of file names")
+    for name in names:
+        if not name.endswith(SHARD_SUFFIX):
+            raise _foreign(journal, f"{field!r} names {name!r}, not a {SHARD_SUFFIX} shard")
+        _inside(path, name, journal)
+    return names
+
+
+def _inside(path: str, name: str, journal: str) -> None:
+    try:
+        inside(path, name, journal)
+    except ValueError:
+        raise _foreign(journal, f"{name!r} is not a name inside {path}") from None
+
+
+def _foreign(journal: str, problem: str) -> ValueError:
+    return ValueError(
+        f"{journal} was not written by a moejax save of this directory ({problem}), so no file it names is "
+        "removed. Check that no save of this directory was interrupted (else restore its files), then delete "
+        f"{journal} and retry"
+    )
+
+
+def _journal(path: str) -> tuple[list[str], str] | None:
+    """(the shard names, the index) of the journal in `path` (None when there is none), after checking that a
+    transaction of this module wrote it for the index now on disk (module docstring); ValueError otherwise."""
     journal = os.path.join(path, JOURNAL)
-    if os.path.exists(journal):
-        try:
-            with open(journal) as f:
-                record = json.load(f)
-            names = [*record["created"], *record["obsolete"]]
-            index = record["index"]
-        except (ValueError, KeyError, TypeError):
-            names, index = [], None  # not one of ours (a journal is renamed into place whole): it names nothing
+    if not os.path.lexists(journal):
+        return None
+    with open(journal, "rb") as f:
+        raw = f.read()
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _foreign(journal, f"not a JSON object: {e}") from None
+    if not isinstance(record, dict):
+        raise _foreign(journal, f"a JSON {type(record).__name__}, not an object")
+    index, digests = record.get("index"), record.get("index_sha256")
+    if not isinstance(index, str):
+        raise _foreign(journal, f"'index' is {index!r:.200}, not the name of an index file")
+    _inside(path, index, journal)
+    names = [*_names(record, "created", path, journal), *_names(record, "obsolete", path, journal)]
+    if not isinstance(digests, list) or len(digests) != 2 or not all(d is None or isinstance(d, str) for d in digests):
+        raise _foreign(journal, f"'index_sha256' is {digests!r:.200}, not the digests [before, after] of {index}")
+    now = _digest(os.path.join(path, index))
+    if now not in digests:
+        raise _foreign(journal, f"{index} is neither the index it replaced nor the one it wrote")
+    return names, index
+
+
+def recover(path: str) -> None:
+    """Finish or undo a transaction a crash interrupted in `path` (the caller holds the lock): the shards its
+    journal names are kept where the current index references them and removed otherwise; stale temporary
+    files go. ValueError naming the journal when it is not one this module wrote for the index on disk."""
+    found = _journal(path)
+    if found is not None:
+        names, index = found
         referenced = _referenced(path, index)
         for name in names:
             if os.path.normpath(name) not in referenced:
-                _unlink(inside(path, name, journal))
+                _unlink(os.path.join(path, name))
         _fsync_dir(path)
-        _unlink(journal)
+        _unlink(os.path.join(path, JOURNAL))
     for name in os.listdir(path):
         if TEMP_MARK in name and name.startswith("."):
             _unlink(os.path.join(path, name))
@@ -121,7 +187,7 @@ class Transaction:
     Args:
       path: the directory (created if missing).
       index: the file whose references decide, after a crash, which created / obsolete files are kept
-        (`model.safetensors.index.json`); None where nothing is created under a new name.
+        (`model.safetensors.index.json`); None where nothing is created under a new name or made obsolete.
       timeout: seconds to wait for another writer's lock (default `LOCK_TIMEOUT_S`).
     """
 
@@ -186,7 +252,8 @@ class Transaction:
         return temporary
 
     def create(self, name: str, data: bytes | memoryview) -> None:
-        """Stage a new file `name` (ValueError if one exists: new files never overwrite)."""
+        """Stage a new shard `name` (ValueError if one exists: new files never overwrite)."""
+        self._check_shard(name)
         if os.path.lexists(os.path.join(self.path, name)):
             raise ValueError(f"{os.path.join(self.path, name)} exists; a transaction creates new names only")
         self._created.append((self._stage(name, data), name))
@@ -199,15 +266,32 @@ class Transaction:
         self.replace(name, (json.dumps(obj, **dump) + "\n").encode())
 
     def obsolete(self, name: str) -> None:
-        """Remove `name` after the swap (a file the new index no longer references)."""
+        """Remove the shard `name` after the swap (a file the new index no longer references)."""
+        self._check_shard(name)
         self._obsolete.append(name)
+
+    def _check_shard(self, name: str) -> None:
+        """Only shards under an index may be created or made obsolete: `recover` removes nothing else."""
+        if self.index is None or not name.endswith(SHARD_SUFFIX):
+            raise ValueError(
+                f"{os.path.join(self.path, name)}: a transaction creates or removes {SHARD_SUFFIX} shards under an "
+                f"index only (index={self.index!r})"
+            )
 
     # -- committing ---------------------------------------------------------------------------------------------
 
     def commit(self) -> None:
         """Place the created files, swap the replaced ones in, remove the obsolete ones (module docstring)."""
         if self._created or self._obsolete:
-            record = {"index": self.index, "created": [n for _, n in self._created], "obsolete": self._obsolete}
+            staged = [temporary for temporary, name in self._replaced if name == self.index]
+            before = _digest(os.path.join(self.path, self.index))
+            after = _digest(staged[-1]) if staged else before
+            record = {
+                "index": self.index,
+                "index_sha256": [before, after],
+                "created": [n for _, n in self._created],
+                "obsolete": self._obsolete,
+            }
             journal = self._stage(JOURNAL, json.dumps(record).encode())
             os.replace(journal, os.path.join(self.path, JOURNAL))
         for temporary, name in self._created:
