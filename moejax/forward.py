@@ -143,7 +143,11 @@ def moe_forward(
     integer, `weights [T, K]` float, `zero_weight [T]` for families with zero experts, else None; T = rows of x;
     `logits` is not read) skips the router: forward with the returned routing equals the original bit for bit.
     Gradients then reach x and the experts through the routing weights held constant, never the router (its
-    LoRA adapters included: with `routing`, the router adapters are not applied).
+    LoRA adapters included: with `routing`, the router adapters are not applied). A routing whose `weights` (and
+    `zero_weight`) are None replays the selection only: the router runs, and the weights are its scores of the
+    given ids, computed as for its own selection (`route(..., indices=)`), so gradients reach the router and its
+    adapters too (what RL trainers replaying a rollout's experts use); `return_routing` then returns those
+    weights.
 
     LoRA: `lora` is a stack of adapters (`moejax.lora.stack`; id 0 = no adapter) and `adapter_ids` (integer,
     shape `x.shape[:-1]`) names each row's adapter; both are traced, so any mix of adapters is one compiled
@@ -174,7 +178,8 @@ def moe_forward(
     T = math.prod(x.shape[:-1])
     if T == 0:
         stats = dataclasses.replace(MoEStats.zeros(cfg.num_experts, dispatch.num_devices), calls=jnp.int32(1))
-        outputs, used = {"y": jnp.zeros_like(x)}, routing if routing is not None else _empty_routing(x, cfg)
+        replayed = routing is not None and routing.weights is not None
+        outputs, used = {"y": jnp.zeros_like(x)}, routing if replayed else _empty_routing(x, cfg)
     else:
         rows = {"x": x}
         if token_ids is not None:
@@ -190,10 +195,11 @@ def moe_forward(
             dispatch=dispatch,
             num_tokens=T,
             with_stats=return_stats,
-            with_routing=return_routing and routing is None,
+            with_routing=return_routing and (routing is None or routing.weights is None),
         )
         outputs, stats = dispatch.run(body, operands, rows, cfg=cfg, with_stats=return_stats)
-        used = routing if routing is not None else _flat_routing(outputs.get("routing"), x.shape[:-1])
+        held = routing is not None and routing.weights is not None
+        used = routing if held else _flat_routing(outputs.get("routing"), x.shape[:-1])
     return as_output(outputs["y"], stats, used, return_stats=return_stats, return_routing=return_routing)
 
 
@@ -273,6 +279,10 @@ def check_routing(routing: Routing | None, x: Array, cfg: MoEConfig) -> None:
         raise TypeError(f"routing must be a moejax.Routing, got {type(routing).__name__}")
     T, K = math.prod(x.shape[:-1]), cfg.top_k
     expected = {"indices": (T, K), "weights": (T, K), "zero_weight": (T,) if cfg.num_zero_experts else None}
+    if routing.weights is None:  # the selection alone: the router computes the weights
+        if routing.zero_weight is not None:
+            raise ValueError("routing.zero_weight must be None when routing.weights is None (both are recomputed)")
+        expected = {"indices": (T, K)}
     for field, shape in expected.items():
         value = getattr(routing, field)
         if shape is None:
@@ -319,10 +329,11 @@ def _expert_operands(params, lora, rows: dict[str, Array], routing: Routing | No
     router adapters of the rows' ids), the expert input `[T, H]` and the slots `[T, K]` (carrying the ids).
     `ops`: the native layer ops (`layer_ops`) or None."""
     adapter = rows.get("adapter")
-    if routing is None:
+    if routing is None or routing.weights is None:  # the router's, or its weights of a replayed selection
         adapters = {} if lora is None else {"lora": lora.router, "adapter": adapter}
         native = {} if ops is None else {"matmul": ops.matmul, "scores": ops.scores, "lora_delta": ops.lora_delta}
-        routing = route(params, rows["x"], cfg, rows.get("token_ids"), **adapters, **native)
+        indices = None if routing is None else routing.indices
+        routing = route(params, rows["x"], cfg, rows.get("token_ids"), **adapters, **native, indices=indices)
     return routing, expert_input(params, rows["x"], cfg), slots_from_routing(routing, cfg, adapter)
 
 

@@ -151,3 +151,26 @@ def test_replay_with_lora_skips_the_router_adapters():
     grads = jax.jit(jax.grad(loss))(lora)
     assert np.all(np.asarray(grads.router.a) == 0) and np.all(np.asarray(grads.router.b) == 0)
     assert np.any(np.asarray(grads.experts.gate.a) != 0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "deepseek_v3", "gpt_oss", "llama4", "longcat_flash"])
+def test_replaying_the_selection_keeps_the_router_learning(family):
+    """`routing=Routing(indices, None, None)` replays the experts and recomputes their weights from the router:
+    with the router's own selection, the output, the returned routing and every gradient (router included)
+    equal the unreplayed forward's (top-k is locally constant, so its gradient is the fixed selection's)."""
+    cfg = moejax.MoEConfig.preset(family, **FAMILIES.get(family, {}), hidden_size=32, intermediate_size=16)
+    params = moejax.init_params(cfg, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (T, cfg.hidden_size))
+    own = moejax.route(params, x, cfg)
+    selection = moejax.Routing(own.indices, None, None)
+    c = jax.random.normal(jax.random.key(2), x.shape)
+    loss = lambda p, x, r=None: jnp.sum(moejax.moe_forward(p, x, cfg, impl="xla", routing=r) * c)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    for got, want in zip(jax.tree.leaves(grad(params, x, selection)), jax.tree.leaves(grad(params, x)), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.any(np.asarray(grad(params, x, selection)[0].router.kernel) != 0)
+    out = forward(params, x, cfg, impl="xla", routing=selection, return_routing=True)
+    np.testing.assert_array_equal(out.y, forward(params, x, cfg, impl="xla"))
+    np.testing.assert_array_equal(out.routing.weights, own.weights)
+    other = moejax.Routing(jnp.roll(own.indices, 1, axis=0), None, None)  # another selection: its own weights
+    assert not np.allclose(forward(params, x, cfg, impl="xla", routing=other), out.y)
