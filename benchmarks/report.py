@@ -52,7 +52,7 @@ TITLES = {
     "ep_bench": "Expert parallelism: bytes and time (`benchmarks/ep_bench.py`)",
     "ep_memory": "Expert parallelism: memory per device (`benchmarks/ep_memory.py`)",
     "placement": "Expert placement (EPLB) on skewed traces",
-    "bench": "XLA plans without the native kernels (`python -m moejax bench`)",
+    "bench": "XLA plans without the native kernels (`python benchmarks/plans_bench.py`)",
     "cuda_compile": "Mosaic GPU kernels compiled for sm_90a without a GPU (`tests/test_cuda_compile.py`)",
     "tpu_compile": "Compiled for TPU v5e / v6e without a TPU (`benchmarks/tpu_compile.py`)",
     "tpu_compile_ep": "Expert parallelism compiled for 4 TPU chips (`benchmarks/tpu_compile.py --ep`)",

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from native_inputs import ACTIVATIONS, dense, rows
 
 import moejax
@@ -201,9 +203,17 @@ def grad_of(impl, slots, act, probe):
     return jax.grad(lambda e, x: jnp.sum(backends.run_routed(impl, e, x, slots, act) * probe), argnums=(0, 1))
 
 
-@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
-@pytest.mark.parametrize("mode", ["replicated", "all_to_all"])
-def test_expert_parallel_gradients_equal_one_devices(mode, axis_type):
+@pytest.mark.parametrize(
+    "mode,axis_type,capacity",
+    [
+        ("replicated", "explicit", 8.0),
+        ("replicated", "auto", 8.0),
+        ("all_to_all", "explicit", 8.0),
+        ("all_to_all", "auto", 8.0),
+        ("all_to_all", "auto", 0.1),  # several rounds and chunks
+    ],
+)
+def test_expert_parallel_gradients_equal_one_devices(mode, axis_type, capacity):
     """Gradients w.r.t. x, the router and the experts under EP (psum and all_to_all) equal one device's."""
     cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=8, top_k=2, hidden_size=24, intermediate_size=12)
     params = moejax.init_params(cfg, jax.random.key(0), layout="stacked")
@@ -213,13 +223,18 @@ def test_expert_parallel_gradients_equal_one_devices(mode, axis_type):
 
     def loss(params, x, ep):
         if ep:
-            y = moejax.parallel.moe_forward_ep(params, x, cfg, mesh=mesh, mode=mode, capacity_factor=8.0)
+            y = moejax.parallel.moe_forward_ep(params, x, cfg, mesh=mesh, mode=mode, capacity_factor=capacity)
         else:
             y = moejax.moe_forward(params, x, cfg, impl="xla")
         return jnp.sum(y * probe)
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
-    got = grad(moejax.sharding.shard_params(params, cfg, mesh), x, True)
-    want = grad(params, x, False)
+    sharded = moejax.sharding.shard_params(params, cfg, mesh)
+    if axis_type == "explicit":
+        with pytest.raises(NotImplementedError, match=r"jax\.set_mesh"):  # x typed without the mesh: no backward
+            grad(sharded, x, True)
+        x = jax.device_put(x, NamedSharding(mesh, P()))
+    got = grad(sharded, x, True)
+    want = grad(params, jax.device_get(x), False)
     _assert_close(jax.device_get(got), jax.device_get(want), 1e-4)
     assert float(jnp.abs(want[0].router.kernel).max()) > 1e-3  # the router learns through the weights

@@ -191,8 +191,8 @@ def test_ragged_transport_equals_the_dense_one_and_the_psum_mode(monkeypatch):
         assert np.all(np.any(np.asarray(y)[:T] != 0, axis=-1)), kind  # every row got its experts' sum
         if kind == "one_expert":
             np.testing.assert_array_equal(stats.device_load, [0, 0, 2 * T, 0, 0, 0, 0, 0])
-    # Dispatch (rows; ids and weights) and the way back: the emulation is what the program ran.
-    assert len(calls) == 3
+    # Dispatch (rows; ids; weights) and the way back: the emulation is what the program ran.
+    assert len(calls) == 4
 
 
 def test_auto_and_dense_programs_for_cpu_hold_no_ragged_all_to_all():
@@ -201,7 +201,7 @@ def test_auto_and_dense_programs_for_cpu_hold_no_ragged_all_to_all():
     one; an unknown transport is refused."""
     mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2])
     params = shard_params(moejax.init_params(CFG, jax.random.key(0)), CFG, mesh)
-    x = jnp.zeros((4, CFG.hidden_size))
+    x = jax.device_put(jnp.zeros((4, CFG.hidden_size)), NamedSharding(mesh, P()))  # typed on the mesh: a backward
     texts = {}
     for transport in ("auto", "ragged", "dense"):
         dispatch = D.expert_parallel("all_to_all", mesh, transport=transport)
@@ -253,7 +253,7 @@ def test_compiled_for_tpu_v5e_the_program_holds_ragged_all_to_all():
     devices = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu").devices
     row = compile_ep(devices, "tpu")
     print("\nTPU v5e x4 all_to_all:", row)
-    assert row["ragged_all_to_all"] == 3, row  # the rows, their ids and weights, the partial sums back
+    assert row["ragged_all_to_all"] == 4, row  # the rows, their ids, their weights, the partial sums back
     assert 0 < row["argument_bytes"] + row["temp_bytes"] < 16 << 30, row  # within a v5e chip's HBM
 
 
@@ -270,4 +270,4 @@ def test_compiled_for_four_h100s_the_program_holds_ragged_all_to_all(monkeypatch
     topology = topologies.get_topology_desc(platform="cuda", topology="1x1x4", target_config=cuda.H100_TARGET_CONFIG)
     row = compile_ep(topology.devices, "cuda")
     print("\nH100 x4 all_to_all:", row)
-    assert row["ragged_all_to_all"] == 3, row
+    assert row["ragged_all_to_all"] == 4, row

@@ -21,7 +21,7 @@ from moejax import backends
 from moejax import dispatch as D
 from moejax.backends import native
 from moejax.experts import Slots, expert_activation
-from moejax.parallel import shard_params
+from moejax.sharding import shard_params
 
 E, K = 8, 2
 CFG = moejax.MoEConfig.preset("qwen3_moe", hidden_size=16, intermediate_size=8, num_experts=E, top_k=K)

@@ -206,8 +206,16 @@ def run_routed(
             return None, None, None
         return routed_vjp(*residuals, act, cotangent, perturbed[-1], block_rows=block_rows)
 
-    routed.defvjp(routed_fwd, routed_bwd, symbolic_zeros=True)
+    if _in_shard_map():  # JAX has no symbolic zeros there: every input counts as differentiated
+        routed.defvjp(lambda *args: routed_fwd(*jax.tree.map(lambda v: CustomVJPPrimal(v, True), args)), routed_bwd)
+    else:
+        routed.defvjp(routed_fwd, routed_bwd, symbolic_zeros=True)
     return routed(experts, x, slots)
+
+
+def _in_shard_map() -> bool:
+    """Whether this is traced inside a `shard_map` (some mesh axis of the context is Manual)."""
+    return any(t == jax.sharding.AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
 
 
 def _dispatch(impl, names, experts, x, slots, act, block_rows) -> Array:

@@ -61,21 +61,6 @@ def _split(tree: Any) -> tuple[list, list, Callable[[list], Any]]:
     return floats, [leaf for leaf, f in zip(leaves, is_float, strict=True) if not f], join
 
 
-def _varying(zeros: Any, axes: tuple[str, ...]) -> Any:
-    """`zeros` typed as varying over the manual mesh `axes` (inside a `shard_map`): a loop carry starts with the
-    type its updates have, which vary with the operands of each device."""
-    return zeros if not axes else jax.tree.map(lambda z: jax.lax.pcast(z, axes, to="varying"), zeros)
-
-
-def _varying_axes(*trees: Any) -> tuple[str, ...]:
-    """The manual mesh axes any leaf of `trees` varies over (none outside a `shard_map`)."""
-    axes: set[str] = set()
-    for leaf in jax.tree.leaves(trees):
-        manual = getattr(jax.typeof(leaf), "manual_axis_type", None)
-        axes |= set(manual.varying) if manual is not None else set()
-    return tuple(sorted(axes))
-
-
 def _cotangent(tree: Any, floats: list | None) -> Any:
     """`tree`'s cotangent: the float leaves from `floats` (None: zeros), float0 zeros for the others."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -200,7 +185,6 @@ def routed_vjp(
         adapters=adapters,
     )
 
-    axes = _varying_axes(experts, x, slots, cotangent)
     carry: dict = {}
     if want_x:
         carry["x"] = jnp.zeros((T, H), jnp.float32)
@@ -210,14 +194,16 @@ def routed_vjp(
         carry["in_scale"] = jnp.zeros(M + B, jnp.float32)
     if want_lora:
         carry["lora"] = adapters.zeros()
-    carry = _varying(carry, axes)
     if isinstance(base, PerExpert):
         # Unrolled over the parts: each read in place and its gradient formed in its own buffer (a traced index
         # would copy the part in and the gradient out, several weight-sized passes per expert).
         d_parts = []
         for e, part in enumerate(base.parts):
             step = functools.partial(expert_step, e, part, first_row[e], counts[e])
-            unused = lambda carry, part=part: (carry, _varying(_zeros_like_floats(part), axes) if want_base else None)
+            unused = lambda carry, part=part: (
+                carry,
+                _zeros_like_floats(part) if want_base else None,
+            )
             carry, d_part = jax.lax.cond(counts[e] > 0, step, unused, carry)
             d_parts.append(d_part)
         d_base = PerExpert(tuple(_cotangent(p, d) for p, d in zip(base.parts, d_parts, strict=True)), base.fmt)
@@ -225,7 +211,7 @@ def routed_vjp(
         stacked = _Stacked(base, want_base)
         active = jnp.nonzero(counts > 0, size=E, fill_value=0)[0]  # [E] experts with pairs first
         if want_base:
-            carry["base"] = _varying(stacked.zeros(), axes)
+            carry["base"] = stacked.zeros()
 
         def used_expert(u: Array, carry: dict) -> dict:
             e = active[u]
@@ -246,20 +232,7 @@ def routed_vjp(
         d_in_scale,
         None if slots.adapter is None else np.zeros(slots.adapter.shape, jax.dtypes.float0),
     )
-    return _like_primals((d_experts, d_x, d_slots), (experts, x, slots))
-
-
-def _like_primals(cotangents: Any, primals: Any) -> Any:
-    """Each cotangent summed over the manual mesh axes its primal is invariant over (inside a `shard_map`: an
-    input every device holds whole, e.g. x under expert parallelism, gets the sum of every device's part)."""
-
-    def match(ct, primal):
-        if ct is None or not hasattr(ct, "dtype") or ct.dtype == jax.dtypes.float0:
-            return ct
-        extra = set(_varying_axes(ct)) - set(_varying_axes(primal))
-        return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
-
-    return jax.tree.map(match, cotangents, primals, is_leaf=lambda leaf: leaf is None)
+    return d_experts, d_x, d_slots
 
 
 def _one_expert(e, one, start, count, carry, *, pairs, x, g, row_ids, act, B, want, adapters):

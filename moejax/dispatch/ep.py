@@ -83,7 +83,9 @@ class ExpertParallel(Dispatch):
             # (a KV cache made in the same jit) without a sharding type error. Not where a backend asks for the
             # devices while lowering: JAX then wants one mesh across the program (y then carries the mesh).
             on_auto_view, needs_devices = traced(
-                shard_map(body, auto_axes(self.mesh), in_specs, out_specs), operands, flat
+                _forward_only(shard_map(body, auto_axes(self.mesh), in_specs, out_specs)),
+                operands,
+                flat,
             )
             if not needs_devices:
                 run, explicit = on_auto_view, False
@@ -120,3 +122,23 @@ class ExpertParallel(Dispatch):
         first_shard = jax.lax.axis_index(self.tensor_axis) == 0
         experts = dataclasses.replace(experts, down_bias=jnp.where(first_shard, experts.down_bias, 0))
         return dataclasses.replace(step, experts=experts)
+
+
+def _forward_only(fn):
+    """`fn(operands, rows)` (a `shard_map` on a mesh's Auto view) whose gradient raises a moejax error naming the
+    fix: parameters placed on the Explicit axes (`shard_params`) would get cotangents of the Auto view's type,
+    which JAX's backward refuses with an error about equal-looking types."""
+
+    @jax.custom_vjp
+    def forward_only(operands, rows):
+        return fn(operands, rows)
+
+    def backward(residuals, cotangent):
+        raise NotImplementedError(
+            "moejax: gradients of moe_forward_ep on a mesh with Explicit axes need x typed on that mesh: place it "
+            "(jax.device_put(x, NamedSharding(mesh, P()))) or call inside `with jax.set_mesh(mesh):`; an x without "
+            "a mesh runs the forward on the mesh's Auto view, which has no backward for Explicit-typed parameters"
+        )
+
+    forward_only.defvjp(lambda operands, rows: (fn(operands, rows), None), backward)
+    return forward_only

@@ -123,16 +123,18 @@ class EPAllToAll(ExpertParallel):
             here = (owner[token] == devices[:, None, None]) & sent[..., None]  # [n, C, K] slots block d computes
             local_ids = jnp.where(here, ids[token] - devices[:, None, None] * num_local, num_local)
             local_w = jnp.where(here, weight[token], 0.0)
-            # Ids and weights travel in one int32 buffer (weights bitcast: integers are never flushed or rounded).
-            columns = [local_ids, jax.lax.bitcast_convert_type(local_w, jnp.int32)]
+            # Ids travel in one int32 buffer; the weights in a float32 one of their own, so that gradients reach them
+            # (and through them the router) by the exchange's transpose.
+            columns = [local_ids]
             if slots.adapter is not None:  # the row's id travels with it
                 columns.append(slots.adapter[token][..., None])
-            meta = jnp.concatenate(columns, -1)  # [n, C, 2K (+1)]
+            meta = jnp.concatenate(columns, -1)  # [n, C, K (+1)]
             # This round's rows: block d's first `sent_to[d]` (they are compacted at the front of each block).
             sent_to = jnp.clip(visits_to - r * rows_per_block, 0, rows_per_block)  # [n]
             arrive_from = jnp.clip(visits_from - r * rows_per_block, 0, rows_per_block)  # [n]
             recv_x = exchange(x_e[token], sent_to, arrive_from)  # [n, C, H] block s: from device s
             recv_meta = exchange(meta, sent_to, arrive_from).reshape(n * rows_per_block, -1)
+            recv_w = exchange(local_w, sent_to, arrive_from).reshape(n * rows_per_block, K)
             # Only the rows that arrived are read: past them a block holds zeros (ragged) or what the sender's
             # block held there (dense), so their slots are made "not here".
             arrived = (jnp.arange(rows_per_block) < arrive_from[:, None]).reshape(-1, 1)  # [n·C, 1]
@@ -140,8 +142,8 @@ class EPAllToAll(ExpertParallel):
                 step,
                 recv_x.reshape(n * rows_per_block, H),
                 jnp.where(arrived, recv_meta[:, :K], num_local),
-                jax.lax.bitcast_convert_type(recv_meta[:, K : 2 * K], jnp.float32),
-                None if slots.adapter is None else recv_meta[:, 2 * K],
+                jnp.where(arrived, recv_w, 0.0),
+                None if slots.adapter is None else recv_meta[:, K],
                 cfg=cfg,
                 pairs=pairs_per_chunk,
                 in_scale=slots.in_scale is not None,
@@ -202,11 +204,16 @@ def _ragged_exchange(blocks: Array, send_sizes: Array, recv_sizes: Array, *, axi
 
 
 def _repeat(body: Callable[[Array, Array], Array], trips: Array, max_trips: int, init: Array) -> Array:
-    """`fori_loop(0, trips, body, init)`, where `body` adds nothing on a trip past the work (so that when at most one
-    trip is ever needed it runs once, with no loop: less to compile)."""
+    """`body` applied for `i` in `[0, trips)`, where `body` adds nothing on a trip past the work (so that when at
+    most one trip is ever needed it runs once, with no loop: less to compile). A scan over the static bound with
+    the trips past `trips` skipped by a cond: reverse-differentiable, unlike a loop of a data trip count."""
     if max_trips == 1:
         return body(jnp.int32(0), init)
-    return jax.lax.fori_loop(0, trips, body, init)
+
+    def trip(out: Array, i: Array) -> tuple[Array, None]:
+        return jax.lax.cond(i < trips, body, lambda i, out: out, i, out), None
+
+    return jax.lax.scan(trip, init, jnp.arange(max_trips, dtype=jnp.int32))[0]
 
 
 def _compute_received(step, x: Array, ids: Array, weight: Array, row_ids: Array | None, *, cfg, pairs, in_scale):
