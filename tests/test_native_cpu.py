@@ -343,6 +343,40 @@ def test_row_bits_do_not_depend_on_batch_position_neighbours_or_threads(fmt):
     np.testing.assert_array_equal(got, np.broadcast_to(alone, got.shape), err_msg="8 copies")
 
 
+@built
+def test_copies_of_rows_are_found_in_linear_time():
+    """The kernels compute bit-identical rows once per expert; they find a row's copies by a hash of its bytes, so
+    the earlier rows examined grow linearly with T however many rows share an expert (a skewed prefill: every row
+    on one expert)."""
+    module = native._module()
+    experts, act = _dense(2, 24, 8), ACTIVATIONS["silu"]
+    run = jax.jit(lambda x, s: native.routed_experts(experts, x, s, act))
+    for T in (64, 4096):
+        slots = Slots(jnp.zeros((T, 1), jnp.int32), jnp.ones((T, 1), jnp.float32))
+        before = module.rows_examined()
+        run(_x(T, 24, T), slots).block_until_ready()
+        assert module.rows_examined() - before <= 2 * T, f"T={T}"
+
+
+@built
+@settings(max_examples=12, deadline=None)
+@given(T=st.integers(2, 40), K=st.integers(1, 4), distinct=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_copies_of_rows_with_any_routing_and_scale_give_the_row_alone(T, K, distinct, seed):
+    """Rows drawn from a few distinct ones, with their own slots (an expert twice in a row, skipped ids, weight 0)
+    and input scales from two values: each row's bits equal the row computed alone."""
+    E, H = 5, 13
+    experts, act = _dense(E, H, 7), ACTIVATIONS["gelu_tanh"]
+    rng = np.random.default_rng(seed)
+    x = np.asarray(_x(distinct, H, seed))[rng.integers(0, distinct, T)]
+    s = _slots(T, K, E, seed, beyond=1)
+    s = Slots(s.indices, s.out_weight, jnp.asarray(rng.choice(np.float32([0.5, 1.25]), (T, K))))
+    run = jax.jit(lambda x, s: native.routed_experts(experts, x, s, act))
+    got = np.asarray(run(x, s))
+    for t in range(T):
+        alone = run(x[t : t + 1], Slots(*(a[t : t + 1] for a in (s.indices, s.out_weight, s.in_scale))))
+        np.testing.assert_array_equal(got[t], np.asarray(alone)[0], err_msg=f"row {t}")
+
+
 # -- errors -------------------------------------------------------------------------------------------------------
 
 
