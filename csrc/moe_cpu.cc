@@ -72,13 +72,43 @@ static bool select_isa(std::string cap) {
 #include "parallel.inc"
 
 // -- a call's intermediate buffers ---------------------------------------------------------------------------
-// A call's h [P, I] and y [P, H], reused across calls: fresh zeroed vectors cost every call their memset and, for a
+// A call's h [P, I] and y [P, H], reused across calls: fresh vectors cost every call their memset and, for a
 // prefill, the page faults of a new mapping (T=2048 of Qwen3-30B-A3B: 184 MB, ~5% of the call). Every entry is
-// written before it is read (gate/up writes h, down writes y, for every pair), so they are not cleared. A call
-// takes a set (a new one while all are taken by concurrent calls) and gives it back on return; a set keeps the
-// size of the largest call it served (as an allocator's cache would), for the life of the process.
-struct CallBuffers {
-  std::vector<float> h, y;
+// written before it is read (gate/up writes h, down writes y, for every pair), so they are neither cleared nor
+// initialized. A call takes a set (a new one while all are taken by concurrent calls) and gives it back on return.
+// A set keeps its buffers when they hold at most kRetainedBytes together (decode and small batches: Qwen3-30B-A3B
+// up to ~190 rows), else it frees them on return: a prefill's buffers (1 GB for T=32768, K=8, H=I=512) would
+// otherwise stay resident for the life of the process, once per concurrent caller, while a prefill pays its
+// page faults in any case (a few percent of its time).
+constexpr size_t kRetainedBytes = size_t{16} << 20;
+
+class CallBuffers {
+ public:
+  float* h(size_t n) { return grown(h_, h_size_, n); }
+  float* y(size_t n) { return grown(y_, y_size_, n); }
+  size_t bytes() const { return (h_size_ + y_size_) * sizeof(float); }
+  void trim() {
+    if (bytes() <= kRetainedBytes) return;
+    h_.reset();
+    y_.reset();
+    h_size_ = y_size_ = 0;
+  }
+
+ private:
+  static float* grown(std::unique_ptr<float[]>& v, size_t& size, size_t n) {
+    if (size < n) {
+      v.reset();  // the old buffer goes before the new one is taken
+      size = 0;
+      v.reset(new float[n]);  // default-initialized: no memset
+      size = n;
+    }
+#if defined(__SANITIZE_ADDRESS__)  // the sanitizer build: NaN in every entry, so one read before its write shows
+    std::fill(v.get(), v.get() + n, std::numeric_limits<float>::quiet_NaN());
+#endif
+    return v.get();
+  }
+  std::unique_ptr<float[]> h_, y_;
+  size_t h_size_ = 0, y_size_ = 0;
 };
 
 class CallBufferLease {
@@ -94,22 +124,24 @@ class CallBufferLease {
     }
   }
   ~CallBufferLease() {
+    set_->trim();  // outside the lock: freeing a large mapping takes a while
     std::lock_guard<std::mutex> lock(mutex());
     free_sets().push_back(std::move(set_));
   }
   CallBufferLease(const CallBufferLease&) = delete;
   CallBufferLease& operator=(const CallBufferLease&) = delete;
-  float* h(size_t n) { return grown(set_->h, n); }
-  float* y(size_t n) { return grown(set_->y, n); }
+  float* h(size_t n) { return set_->h(n); }
+  float* y(size_t n) { return set_->y(n); }
+
+  // The idle sets and the bytes they hold (introspection: tests, benchmarks).
+  static std::pair<size_t, size_t> idle() {
+    std::lock_guard<std::mutex> lock(mutex());
+    size_t bytes = 0;
+    for (const auto& set : free_sets()) bytes += set->bytes();
+    return {free_sets().size(), bytes};
+  }
 
  private:
-  static float* grown(std::vector<float>& v, size_t n) {
-    if (v.size() < n) v.resize(n);
-#if defined(__SANITIZE_ADDRESS__)  // the sanitizer build: NaN in every entry, so one read before its write shows
-    std::fill(v.begin(), v.begin() + n, std::numeric_limits<float>::quiet_NaN());
-#endif
-    return v.data();
-  }
   // Never destroyed: a call still running while the process exits must not find them gone.
   static std::mutex& mutex() {
     static auto* m = new std::mutex;
@@ -639,10 +671,19 @@ static PyObject* rows_examined(PyObject*, PyObject*) {
   return PyLong_FromUnsignedLongLong(moe::g_rows_examined.load());
 }
 
+// call_buffers(): {"idle_sets", "retained_bytes", "retained_bound_bytes"} of the call-buffer pool.
+static PyObject* call_buffers(PyObject*, PyObject*) {
+  const auto [sets, bytes] = moe::CallBufferLease::idle();
+  return Py_BuildValue("{s:n,s:n,s:n}", "idle_sets", static_cast<Py_ssize_t>(sets), "retained_bytes",
+                       static_cast<Py_ssize_t>(bytes), "retained_bound_bytes",
+                       static_cast<Py_ssize_t>(moe::kRetainedBytes));
+}
+
 static PyMethodDef kMethods[] = {
     {"registrations", registrations, METH_NOARGS, "{target name: PyCapsule of its XLA FFI handler}"},
     {"isa", isa, METH_NOARGS, "the instruction set of the kernels in use ('avx512', 'avx2' or 'generic')"},
     {"set_isa", set_isa, METH_O, "set_isa('generic' | 'avx2' | 'avx512' | 'best') -> the instruction set now used"},
+    {"call_buffers", call_buffers, METH_NOARGS, "the call-buffer pool: idle sets, bytes they retain, the bound"},
     {"rows_examined", rows_examined, METH_NOARGS, "earlier rows examined as copies of a row, over the process"},
     {nullptr, nullptr, 0, nullptr},
 };

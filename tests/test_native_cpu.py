@@ -377,6 +377,27 @@ def test_copies_of_rows_with_any_routing_and_scale_give_the_row_alone(T, K, dist
         np.testing.assert_array_equal(got[t], np.asarray(alone)[0], err_msg=f"row {t}")
 
 
+@built
+def test_a_prefills_call_buffers_are_freed_when_it_returns():
+    """A call's h [P, I] and y [P, H] are kept for the next call while they hold at most the bound (decode, small
+    batches), and freed when the call returns above it (a prefill's would stay resident for the process's life)."""
+    module = native._module()
+    bound = module.call_buffers()["retained_bound_bytes"]
+    E, K, H, I = 4, 4, 256, 256
+    experts, act = _dense(E, H, I), ACTIVATIONS["silu"]
+    run = jax.jit(lambda x, s: native.routed_experts(experts, x, s, act))
+    rng = np.random.default_rng(0)
+    for T in (3, bound // (K * (H + I) * 4) + 64):  # the second: K distinct pairs a row, buffers above the bound
+        idx = np.stack([rng.permutation(E) for _ in range(T)]).astype(np.int32)[:, :K]
+        run(_x(T, H, T), Slots(jnp.asarray(idx), jnp.asarray(rng.uniform(0.1, 1, (T, K)), jnp.float32)))
+        pool = module.call_buffers()
+        assert native.retained_buffer_bytes() == pool["retained_bytes"] <= pool["idle_sets"] * bound
+        if T == 3:
+            kept = pool["retained_bytes"]
+            assert kept >= T * K * (H + I) * 4  # the small call's set is kept
+    assert pool["retained_bytes"] <= kept  # the large call's set is freed
+
+
 # -- errors -------------------------------------------------------------------------------------------------------
 
 

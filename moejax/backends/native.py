@@ -92,6 +92,14 @@ def available() -> bool:
     return _module() is not None
 
 
+def retained_buffer_bytes() -> int:
+    """The bytes of intermediate buffers the kernels keep between calls (0 when not available). Each set of a
+    call's buffers (one per concurrent caller) is kept for the next call up to a bound (16 MiB: decode and small
+    batches); a larger one, a prefill's, is freed when its call returns."""
+    module = _module()
+    return 0 if module is None else module.call_buffers()["retained_bytes"]
+
+
 def on_cpu(run, fallback, *operands) -> Array:
     """`run(*operands)` in a program lowered for the CPU, `fallback(*operands)` elsewhere (a GPU or TPU program,
     also one compiled on a CPU host for a compile-only topology): decided while lowering, never by the host's
