@@ -539,7 +539,7 @@ def test_avx512_variant_equals_the_avx2_variant_bit_for_bit(fmt):
 
 def test_without_the_extension_auto_runs_the_cpu_plans(monkeypatch):
     """As installed without a compiler (MOEJAX_NATIVE_BUILD=0): the import of moejax._native_cpu fails."""
-    native._module.cache_clear()
+    native._load.cache_clear()
     monkeypatch.setitem(sys.modules, "moejax._native_cpu", None)  # import raises ImportError
     try:
         assert not native.available() and native.isa() is None
@@ -552,10 +552,10 @@ def test_without_the_extension_auto_runs_the_cpu_plans(monkeypatch):
             native.routed_experts(params.experts, x, _slots(3, 2, 4, 0), ACTIVATIONS["silu"])
         monkeypatch.setenv("MOEJAX_NATIVE", "0")  # the run-time switch hides a built extension too
         monkeypatch.delitem(sys.modules, "moejax._native_cpu")
-        native._module.cache_clear()
+        native._load.cache_clear()
         assert not native.available()
     finally:
-        native._module.cache_clear()
+        native._load.cache_clear()
 
 
 @built
