@@ -5,8 +5,8 @@ Cases (the min of --rounds timed calls of one jitted `native.routed_experts`, fl
   one expert       T=70000 distinct rows, E=1, K=1, H=256, I=32
   identical decode T copies of one row (parallel sampling's first step): H=2048, E=128, K=8, I=768 (Qwen3-30B-A3B,
                    bfloat16 weights) for T=1, 8 and 16, and H=512, E=16, K=4, I=256 for T=8
-  decode loop      the mean of 200 calls T=1 of the Qwen3-like layer, right after a T=32768 call (K=8, H=512): what
-                   the call-buffer pool costs or saves a decode that follows a prefill
+  decode loop      the mean of 200 calls T=1 of the Qwen3-like layer (min of 3 loops), right after a T=32768 call
+                   (K=8 of E=16, H=512, I=64: ~600 MB of call buffers): what the call-buffer pool costs or saves
 Each case's seconds go under `<label>_s` of its entry in --json (merged into an existing file, so a "before" and
 an "after" build fill one file), with the process's resident memory and the pool's retained bytes after the
 T=32768 call.
@@ -154,9 +154,9 @@ def main() -> None:
 
 
 def decode_after_prefill(label: str) -> dict:
-    """A T=32768 call (K=8 of E=16, H=512, I=512: ~1 GB of call buffers), then 200 decode calls of the Qwen3-like
+    """A T=32768 call (K=8 of E=16, H=512, I=64: ~600 MB of call buffers), then 200 decode calls of the Qwen3-like
     layer: their mean time, the resident memory and the pool's retained bytes after the big call."""
-    w = experts(16, 512, 512)
+    w = experts(16, 512, 64)
     jax.block_until_ready(call(w, rows(32768, 512), random_slots(32768, 8, 16))())
     after_big = {f"{label}_resident_mb": round(resident_mb()), f"{label}_retained_mb": retained_mb()}
     big = experts(128, 2048, 768, "bfloat16")
