@@ -18,8 +18,19 @@
 //
 // ISA: kernels.inc is compiled three times, as moe::avx512 (moe_avx512.cc: F, BW, DQ, VL), moe::avx2 (moe_avx2.cc:
 // AVX2, FMA, F16C) and moe::generic (moe_generic.cc, baseline flags, any CPU); the best variant the CPU runs is
-// chosen once at load with __builtin_cpu_supports (MOEJAX_NATIVE_ISA=avx2 or generic caps it). The variants give
-// the same bits (kernels.inc's order; vec_avx512.inc). The types the four files share: moe_job.h.
+// chosen once at load with __builtin_cpu_supports (MOEJAX_NATIVE_ISA=avx2 or generic caps it). Which give the same
+// bits (every format, float32 or int8 activations, LoRA): the three run one order of operations (kernels.inc;
+// vec_avx512.inc's 16 lanes are two of the 8-lane chains) and the same C library calls for the activations (expf,
+// tanhf), so
+//  * AVX2 and AVX-512 give the same bits;
+//  * the portable variant built with a fused multiply-add (aarch64) runs the same operations (vec_generic.inc:
+//    std::fma, one rounding), so it gives their bits where its C library's expf and tanhf return the x86
+//    machine's values (by construction; not measured on aarch64 hardware);
+//  * the portable variant built for x86-64 (no FMA: the fallback for CPUs without AVX2/FMA/F16C) rounds each
+//    multiply-add twice: other bits, within float32 rounding (~1e-6 relative), except with int8 activations and
+//    no adapters, where the multiply-adds are integer sums and all three agree. A float32 value that differs by
+//    rounding before an int8 quantization (LoRA deltas beside int8 activations) can move its code by one step.
+// The types the four files share: moe_job.h.
 
 #include <Python.h>
 

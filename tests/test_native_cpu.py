@@ -537,6 +537,37 @@ def test_avx512_variant_equals_the_avx2_variant_bit_for_bit(fmt):
         _assert_close(got["avx512"], _oracle(reference, x, slots, act), f"{fmt} T={T}")
 
 
+@built
+@pytest.mark.skipif(native.isa() == "generic", reason="the portable variant is the only one this CPU runs")
+@pytest.mark.parametrize("fmt", [*QUANTIZED, *DENSE, "fused"])
+def test_the_portable_variant_on_x86_is_the_best_one_to_float32_rounding(fmt):
+    """Built for x86-64 without FMA, the portable variant computes each multiply-add as a product then a sum (two
+    roundings) where the AVX2 and AVX-512 variants fuse it (one): the same order of operations, so the results
+    differ by float32 rounding only, in decode (one row), a small batch and a prefill (T=40, the packed tiles).
+    (Where it is built with a fused multiply-add, aarch64, it uses it: tests/test_native_cross_compile.py.)"""
+    E, K = 5, 2
+    if fmt in (*DENSE, "fused"):
+        H, I = 601, 299
+        experts = _dense(E, H, I, "float32" if fmt == "fused" else fmt)
+        experts = _fused_per_expert(experts) if fmt == "fused" else experts
+    else:
+        H, I = (600, 328) if fmt in ("fp8_block", "int8_channel_asym") else (608, 352)
+        experts = _every_code(_quantized(fmt, E=E, H=H, I=I))
+    act = ACTIVATIONS["gpt_oss"]
+    module = native._module()
+    run = jax.jit(lambda x, s: native.routed_experts(experts, x, s, act))
+    for T, seed in ((1, 3), (6, 5), (40, 6)):
+        x, slots = _x(T, H, seed), _slots(T, K, E, seed, in_scale=True, skipped=False)
+        try:
+            best = np.asarray(run(x, slots))
+            assert module.set_isa("generic") == "generic"
+            portable = np.asarray(run(x, slots))
+        finally:
+            module.set_isa("best")
+        err = np.abs(portable - best).max() / np.abs(best).max()
+        assert err <= 1e-5, f"{fmt} T={T}: {err}"
+
+
 def test_without_the_extension_auto_runs_the_cpu_plans(monkeypatch):
     """As installed without a compiler (MOEJAX_NATIVE_BUILD=0): the import of moejax._native_cpu fails."""
     native._load.cache_clear()
