@@ -83,8 +83,8 @@ static bool select_isa(std::string cap) {
 #include "parallel.inc"
 
 // -- a call's intermediate buffers ---------------------------------------------------------------------------
-// A call's h [P, I] and y [P, H], reused across calls: fresh vectors cost every call their memset and, for a
-// prefill, the page faults of a new mapping (T=2048 of Qwen3-30B-A3B: 184 MB, ~5% of the call). Every entry is
+// A call's h [P, I] and y [P, H], reused across calls: fresh buffers cost a call the page faults of a new mapping
+// (T=2048 of Qwen3-30B-A3B: 184 MB, ~5% of the call when they were also zeroed). Every entry is
 // written before it is read (gate/up writes h, down writes y, for every pair), so they are neither cleared nor
 // initialized. A call takes a set (a new one while all are taken by concurrent calls) and gives it back on return.
 // A set keeps its buffers when they hold at most kRetainedBytes together (decode and small batches: Qwen3-30B-A3B
@@ -170,8 +170,9 @@ class CallBufferLease {
 // it grows linearly with T, whatever the routing).
 static std::atomic<uint64_t> g_rows_examined{0};
 
-// A hash of a row's bytes: four independent multiply-xor lanes over 8-byte words (a chain per byte costs a prefill
-// of H=2048 ~10 µs a row). Equal bytes give equal hashes; rows with equal hashes are compared byte for byte.
+// A hash of a row's bytes: four independent multiply-xor lanes over 8-byte words (one multiply chain per byte would
+// cost a prefill more than the lookups it serves). Equal bytes give equal hashes; rows with equal hashes are
+// compared byte for byte.
 static uint64_t row_hash(const float* row, int H) {
   const unsigned char* b = reinterpret_cast<const unsigned char*>(row);
   const size_t n = static_cast<size_t>(H) * sizeof(float);
