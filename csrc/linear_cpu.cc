@@ -15,7 +15,9 @@
 //
 // ISA: the kernel is compiled twice, as linear::avx2 (`#pragma GCC target("avx2,fma,f16c")`) and
 // linear::generic (baseline flags, any CPU); the variant is chosen once at load, MOEJAX_NATIVE_ISA=generic (or
-// the call's `portable` attribute) forces the portable one.
+// the call's `portable` attribute) forces the portable one. The same order of operations in both: the same bits
+// where the portable one is built with a fused multiply-add (aarch64), float32 rounding apart on x86-64
+// (vec_generic.inc).
 
 #include <algorithm>
 #include <atomic>

@@ -18,12 +18,24 @@
 //
 // ISA: kernels.inc is compiled three times, as moe::avx512 (moe_avx512.cc: F, BW, DQ, VL), moe::avx2 (moe_avx2.cc:
 // AVX2, FMA, F16C) and moe::generic (moe_generic.cc, baseline flags, any CPU); the best variant the CPU runs is
-// chosen once at load with __builtin_cpu_supports (MOEJAX_NATIVE_ISA=avx2 or generic caps it). The variants give
-// the same bits (kernels.inc's order; vec_avx512.inc). The types the four files share: moe_job.h.
+// chosen once at load with __builtin_cpu_supports (MOEJAX_NATIVE_ISA=avx2 or generic caps it). Which give the same
+// bits (every format, float32 or int8 activations, LoRA): the three run one order of operations (kernels.inc;
+// vec_avx512.inc's 16 lanes are two of the 8-lane chains) and the same C library calls for the activations (expf,
+// tanhf), so
+//  * AVX2 and AVX-512 give the same bits;
+//  * the portable variant built with a fused multiply-add (aarch64) runs the same operations (vec_generic.inc:
+//    std::fma, one rounding), so it gives their bits where its C library's expf and tanhf return the x86
+//    machine's values (by construction; not measured on aarch64 hardware);
+//  * the portable variant built for x86-64 (no FMA: the fallback for CPUs without AVX2/FMA/F16C) rounds each
+//    multiply-add twice: other bits, within float32 rounding (~1e-6 relative), except with int8 activations and
+//    no adapters, where the multiply-adds are integer sums and all three agree. A float32 value that differs by
+//    rounding before an int8 quantization (LoRA deltas beside int8 activations) can move its code by one step.
+// The types the four files share: moe_job.h.
 
 #include <Python.h>
 
 #include <mutex>
+#include <unordered_map>
 
 #include "moe_job.h"
 
@@ -71,13 +83,43 @@ static bool select_isa(std::string cap) {
 #include "parallel.inc"
 
 // -- a call's intermediate buffers ---------------------------------------------------------------------------
-// A call's h [P, I] and y [P, H], reused across calls: fresh zeroed vectors cost every call their memset and, for a
-// prefill, the page faults of a new mapping (T=2048 of Qwen3-30B-A3B: 184 MB, ~5% of the call). Every entry is
-// written before it is read (gate/up writes h, down writes y, for every pair), so they are not cleared. A call
-// takes a set (a new one while all are taken by concurrent calls) and gives it back on return; a set keeps the
-// size of the largest call it served (as an allocator's cache would), for the life of the process.
-struct CallBuffers {
-  std::vector<float> h, y;
+// A call's h [P, I] and y [P, H], reused across calls: fresh buffers cost a call the page faults of a new mapping
+// (T=2048 of Qwen3-30B-A3B: 184 MB, ~5% of the call when they were also zeroed). Every entry is
+// written before it is read (gate/up writes h, down writes y, for every pair), so they are neither cleared nor
+// initialized. A call takes a set (a new one while all are taken by concurrent calls) and gives it back on return.
+// A set keeps its buffers when they hold at most kRetainedBytes together (decode and small batches: Qwen3-30B-A3B
+// up to ~190 rows), else it frees them on return: a prefill's buffers (1 GB for T=32768, K=8, H=I=512) would
+// otherwise stay resident for the life of the process, once per concurrent caller, while a prefill pays its
+// page faults in any case (a few percent of its time).
+constexpr size_t kRetainedBytes = size_t{16} << 20;
+
+class CallBuffers {
+ public:
+  float* h(size_t n) { return grown(h_, h_size_, n); }
+  float* y(size_t n) { return grown(y_, y_size_, n); }
+  size_t bytes() const { return (h_size_ + y_size_) * sizeof(float); }
+  void trim() {
+    if (bytes() <= kRetainedBytes) return;
+    h_.reset();
+    y_.reset();
+    h_size_ = y_size_ = 0;
+  }
+
+ private:
+  static float* grown(std::unique_ptr<float[]>& v, size_t& size, size_t n) {
+    if (size < n) {
+      v.reset();  // the old buffer goes before the new one is taken
+      size = 0;
+      v.reset(new float[n]);  // default-initialized: no memset
+      size = n;
+    }
+#if defined(__SANITIZE_ADDRESS__)  // the sanitizer build: NaN in every entry, so one read before its write shows
+    std::fill(v.get(), v.get() + n, std::numeric_limits<float>::quiet_NaN());
+#endif
+    return v.get();
+  }
+  std::unique_ptr<float[]> h_, y_;
+  size_t h_size_ = 0, y_size_ = 0;
 };
 
 class CallBufferLease {
@@ -93,22 +135,24 @@ class CallBufferLease {
     }
   }
   ~CallBufferLease() {
+    set_->trim();  // outside the lock: freeing a large mapping takes a while
     std::lock_guard<std::mutex> lock(mutex());
     free_sets().push_back(std::move(set_));
   }
   CallBufferLease(const CallBufferLease&) = delete;
   CallBufferLease& operator=(const CallBufferLease&) = delete;
-  float* h(size_t n) { return grown(set_->h, n); }
-  float* y(size_t n) { return grown(set_->y, n); }
+  float* h(size_t n) { return set_->h(n); }
+  float* y(size_t n) { return set_->y(n); }
+
+  // The idle sets and the bytes they hold (introspection: tests, benchmarks).
+  static std::pair<size_t, size_t> idle() {
+    std::lock_guard<std::mutex> lock(mutex());
+    size_t bytes = 0;
+    for (const auto& set : free_sets()) bytes += set->bytes();
+    return {free_sets().size(), bytes};
+  }
 
  private:
-  static float* grown(std::vector<float>& v, size_t n) {
-    if (v.size() < n) v.resize(n);
-#if defined(__SANITIZE_ADDRESS__)  // the sanitizer build: NaN in every entry, so one read before its write shows
-    std::fill(v.begin(), v.begin() + n, std::numeric_limits<float>::quiet_NaN());
-#endif
-    return v.data();
-  }
   // Never destroyed: a call still running while the process exits must not find them gone.
   static std::mutex& mutex() {
     static auto* m = new std::mutex;
@@ -122,11 +166,65 @@ class CallBufferLease {
 };
 
 // -- phase 0 -------------------------------------------------------------------------------------------------
+// Earlier rows phase 0 examined as possible copies of a row, over the process (rows_examined(): tests check that
+// it grows linearly with T, whatever the routing).
+static std::atomic<uint64_t> g_rows_examined{0};
+
+// A hash of a row's bytes: four independent multiply-xor lanes over 8-byte words (one multiply chain per byte would
+// cost a prefill more than the lookups it serves). Equal bytes give equal hashes; rows with equal hashes are
+// compared byte for byte.
 static uint64_t row_hash(const float* row, int H) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the row's bytes
   const unsigned char* b = reinterpret_cast<const unsigned char*>(row);
-  for (size_t i = 0; i < static_cast<size_t>(H) * sizeof(float); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  const size_t n = static_cast<size_t>(H) * sizeof(float);
+  constexpr uint64_t kMul = 0x9E3779B97F4A7C15ull;
+  uint64_t lane[4] = {0x243F6A8885A308D3ull, 0x13198A2E03707344ull, 0xA4093822299F31D0ull, 0x082EFA98EC4E6C89ull};
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    for (int l = 0; l < 4; ++l) {
+      uint64_t w;
+      std::memcpy(&w, b + i + 8 * l, 8);
+      lane[l] = (lane[l] ^ w) * kMul;
+      lane[l] ^= lane[l] >> 29;
+    }
+  for (; i + 4 <= n; i += 4) {
+    uint32_t w;
+    std::memcpy(&w, b + i, 4);
+    lane[0] = ((lane[0] ^ w) * kMul) ^ (lane[0] >> 31);
+  }
+  uint64_t h = n;
+  for (uint64_t v : lane) h = ((h ^ v) * kMul) ^ (h >> 32);
   return h;
+}
+
+// first[t]: the first row with the bytes of row t (and, with LoRA, its adapter), t itself when none is earlier.
+// An open-addressing table of the distinct rows (at most half full), so a row examines O(1) earlier rows on average
+// whatever the routing; only rows of equal hash are compared byte for byte.
+static std::vector<int> first_copies(const Job& job, const float* x) {
+  const int T = job.T, H = job.H;
+  size_t cap = 16;
+  while (cap < 2 * static_cast<size_t>(T)) cap *= 2;
+  std::vector<int> table(cap, -1), first(T);
+  std::vector<uint64_t> hash(T);
+  uint64_t examined = 0;
+  for (int t = 0; t < T; ++t) {
+    const float* row = x + static_cast<size_t>(t) * H;
+    const int ad = job.lora ? job.lora->row_id(t) : 0;
+    hash[t] = row_hash(row, H) ^ (static_cast<uint64_t>(static_cast<uint32_t>(ad)) * 0xD6E8FEB86659FD93ull);
+    first[t] = t;
+    size_t i = hash[t] & (cap - 1);
+    for (; table[i] >= 0; i = (i + 1) & (cap - 1)) {
+      const int c = table[i];
+      ++examined;
+      if (hash[c] == hash[t] && (!job.lora || job.lora->row_id(c) == ad) &&
+          std::memcmp(x + static_cast<size_t>(c) * H, row, sizeof(float) * H) == 0) {
+        first[t] = c;
+        break;
+      }
+    }
+    if (first[t] == t) table[i] = t;
+  }
+  g_rows_examined.fetch_add(examined, std::memory_order_relaxed);
+  return first;
 }
 
 // Union experts (ascending id), their rows (ascending t) and each slot's pair. A row that chose an expert in
@@ -137,25 +235,41 @@ static uint64_t row_hash(const float* row, int H) {
 static void build_routing(Job& job, const float* x, const int32_t* idx, const float* weight, const float* in_scale,
                           std::vector<float>& scaled) {
   const int T = job.T, K = job.K, E = job.E, H = job.H;
-  std::vector<uint64_t> hash(T);
-  for (int t = 0; t < T; ++t) hash[t] = row_hash(x + static_cast<size_t>(t) * H, H);
+  const std::vector<int> first = first_copies(job, x);
+  std::vector<char> copied(T, 0);  // whether a later row is a copy of this one
+  for (int t = 0; t < T; ++t)
+    if (first[t] != t) copied[first[t]] = 1;
   struct Rep {
     int t;
     float scale;
   };
+  // The pair of (first copy, expert, input scale's bits), for rows with copies only.
+  struct PairKey {
+    int first, e;
+    uint32_t scale;
+    bool operator==(const PairKey& o) const { return first == o.first && e == o.e && scale == o.scale; }
+  };
+  struct PairKeyHash {
+    size_t operator()(const PairKey& k) const {
+      return static_cast<size_t>(((static_cast<uint64_t>(k.first) << 32 | static_cast<uint32_t>(k.e)) ^
+                                  (static_cast<uint64_t>(k.scale) * 0x9E3779B97F4A7C15ull)) *
+                                 0xBF58476D1CE4E5B9ull >>
+                                 7);
+    }
+  };
+  std::unordered_map<PairKey, int, PairKeyHash> copy_rep;
   std::vector<std::vector<Rep>> reps(E);                  // the distinct inputs of each expert, in order of t
   std::vector<int> slot_rep(static_cast<size_t>(T) * K, -1);  // index into reps[expert], -1: contributes 0
   for (int t = 0; t < T; ++t) {
-    const float* row = x + static_cast<size_t>(t) * H;
     for (int k = 0; k < K; ++k) {
       const size_t s = static_cast<size_t>(t) * K + k;
       const int e = idx[s];
       if (e < 0 || e >= E || weight[s] == 0.0f) continue;
-      int first = -1;  // an earlier kept slot of the row with the same expert
-      for (int j = 0; j < k && first < 0; ++j)
-        if (slot_rep[static_cast<size_t>(t) * K + j] >= 0 && idx[static_cast<size_t>(t) * K + j] == e) first = j;
-      if (first >= 0) {
-        slot_rep[s] = slot_rep[static_cast<size_t>(t) * K + first];
+      int earlier = -1;  // an earlier kept slot of the row with the same expert
+      for (int j = 0; j < k && earlier < 0; ++j)
+        if (slot_rep[static_cast<size_t>(t) * K + j] >= 0 && idx[static_cast<size_t>(t) * K + j] == e) earlier = j;
+      if (earlier >= 0) {
+        slot_rep[s] = slot_rep[static_cast<size_t>(t) * K + earlier];
         continue;
       }
       float sc = 1.0f;
@@ -165,18 +279,13 @@ static void build_routing(Job& job, const float* x, const int32_t* idx, const fl
           if (idx[static_cast<size_t>(t) * K + j] == e) sc += in_scale[static_cast<size_t>(t) * K + j];
       }
       std::vector<Rep>& list = reps[e];
-      int r = -1;
-      for (size_t q = 0; q < list.size() && r < 0; ++q) {
-        const Rep& c = list[q];
-        const bool same_adapter = !job.lora || job.lora->row_id(c.t) == job.lora->row_id(t);
-        if (same_adapter && hash[c.t] == hash[t] && std::memcmp(&c.scale, &sc, sizeof(float)) == 0 &&
-            std::memcmp(x + static_cast<size_t>(c.t) * H, row, sizeof(float) * H) == 0)
-          r = static_cast<int>(q);
+      int r = static_cast<int>(list.size());
+      if (first[t] != t || copied[t]) {
+        uint32_t bits;
+        std::memcpy(&bits, &sc, sizeof bits);
+        r = copy_rep.emplace(PairKey{first[t], e, bits}, r).first->second;
       }
-      if (r < 0) {
-        r = static_cast<int>(list.size());
-        list.push_back({t, sc});
-      }
+      if (r == static_cast<int>(list.size())) list.push_back({t, sc});
       slot_rep[s] = r;
     }
   }
@@ -569,10 +678,25 @@ static PyObject* set_isa(PyObject*, PyObject* arg) {
   return PyUnicode_FromString(moe::g_isa.load());
 }
 
+// rows_examined(): the earlier rows phase 0 examined as possible copies of a row, over the process (tests).
+static PyObject* rows_examined(PyObject*, PyObject*) {
+  return PyLong_FromUnsignedLongLong(moe::g_rows_examined.load());
+}
+
+// call_buffers(): {"idle_sets", "retained_bytes", "retained_bound_bytes"} of the call-buffer pool.
+static PyObject* call_buffers(PyObject*, PyObject*) {
+  const auto [sets, bytes] = moe::CallBufferLease::idle();
+  return Py_BuildValue("{s:n,s:n,s:n}", "idle_sets", static_cast<Py_ssize_t>(sets), "retained_bytes",
+                       static_cast<Py_ssize_t>(bytes), "retained_bound_bytes",
+                       static_cast<Py_ssize_t>(moe::kRetainedBytes));
+}
+
 static PyMethodDef kMethods[] = {
     {"registrations", registrations, METH_NOARGS, "{target name: PyCapsule of its XLA FFI handler}"},
     {"isa", isa, METH_NOARGS, "the instruction set of the kernels in use ('avx512', 'avx2' or 'generic')"},
     {"set_isa", set_isa, METH_O, "set_isa('generic' | 'avx2' | 'avx512' | 'best') -> the instruction set now used"},
+    {"call_buffers", call_buffers, METH_NOARGS, "the call-buffer pool: idle sets, bytes they retain, the bound"},
+    {"rows_examined", rows_examined, METH_NOARGS, "earlier rows examined as copies of a row, over the process"},
     {nullptr, nullptr, 0, nullptr},
 };
 

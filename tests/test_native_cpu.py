@@ -343,6 +343,61 @@ def test_row_bits_do_not_depend_on_batch_position_neighbours_or_threads(fmt):
     np.testing.assert_array_equal(got, np.broadcast_to(alone, got.shape), err_msg="8 copies")
 
 
+@built
+def test_copies_of_rows_are_found_in_linear_time():
+    """The kernels compute bit-identical rows once per expert; they find a row's copies by a hash of its bytes, so
+    the earlier rows examined grow linearly with T however many rows share an expert (a skewed prefill: every row
+    on one expert)."""
+    module = native._module()
+    experts, act = _dense(2, 24, 8), ACTIVATIONS["silu"]
+    run = jax.jit(lambda x, s: native.routed_experts(experts, x, s, act))
+    for T in (64, 4096):
+        slots = Slots(jnp.zeros((T, 1), jnp.int32), jnp.ones((T, 1), jnp.float32))
+        before = module.rows_examined()
+        run(_x(T, 24, T), slots).block_until_ready()
+        assert module.rows_examined() - before <= 2 * T, f"T={T}"
+
+
+@built
+@settings(max_examples=12, deadline=None)
+@given(T=st.integers(2, 40), K=st.integers(1, 4), distinct=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_copies_of_rows_with_any_routing_and_scale_give_the_row_alone(T, K, distinct, seed):
+    """Rows drawn from a few distinct ones, with their own slots (an expert twice in a row, skipped ids, weight 0)
+    and input scales from two values: each row's bits equal the row computed alone."""
+    E, H = 5, 13
+    experts, act = _dense(E, H, 7), ACTIVATIONS["gelu_tanh"]
+    rng = np.random.default_rng(seed)
+    x = np.asarray(_x(distinct, H, seed))[rng.integers(0, distinct, T)]
+    s = _slots(T, K, E, seed, beyond=1)
+    s = Slots(s.indices, s.out_weight, jnp.asarray(rng.choice(np.float32([0.5, 1.25]), (T, K))))
+    run = jax.jit(lambda x, s: native.routed_experts(experts, x, s, act))
+    got = np.asarray(run(x, s))
+    for t in range(T):
+        alone = run(x[t : t + 1], Slots(*(a[t : t + 1] for a in (s.indices, s.out_weight, s.in_scale))))
+        np.testing.assert_array_equal(got[t], np.asarray(alone)[0], err_msg=f"row {t}")
+
+
+@built
+def test_a_prefills_call_buffers_are_freed_when_it_returns():
+    """A call's h [P, I] and y [P, H] are kept for the next call while they hold at most the bound (decode, small
+    batches), and freed when the call returns above it (a prefill's would stay resident for the process's life)."""
+    module = native._module()
+    bound = module.call_buffers()["retained_bound_bytes"]
+    E, K, H, I = 4, 4, 256, 256
+    experts, act = _dense(E, H, I), ACTIVATIONS["silu"]
+    run = jax.jit(lambda x, s: native.routed_experts(experts, x, s, act))
+    rng = np.random.default_rng(0)
+    for T in (3, bound // (K * (H + I) * 4) + 64):  # the second: K distinct pairs a row, buffers above the bound
+        idx = np.stack([rng.permutation(E) for _ in range(T)]).astype(np.int32)[:, :K]
+        run(_x(T, H, T), Slots(jnp.asarray(idx), jnp.asarray(rng.uniform(0.1, 1, (T, K)), jnp.float32)))
+        pool = module.call_buffers()
+        assert native.retained_buffer_bytes() == pool["retained_bytes"] <= pool["idle_sets"] * bound
+        if T == 3:
+            kept = pool["retained_bytes"]
+            assert kept >= T * K * (H + I) * 4  # the small call's set is kept
+    assert pool["retained_bytes"] <= kept  # the large call's set is freed
+
+
 # -- errors -------------------------------------------------------------------------------------------------------
 
 
@@ -482,9 +537,40 @@ def test_avx512_variant_equals_the_avx2_variant_bit_for_bit(fmt):
         _assert_close(got["avx512"], _oracle(reference, x, slots, act), f"{fmt} T={T}")
 
 
+@built
+@pytest.mark.skipif(native.isa() == "generic", reason="the portable variant is the only one this CPU runs")
+@pytest.mark.parametrize("fmt", [*QUANTIZED, *DENSE, "fused"])
+def test_the_portable_variant_on_x86_is_the_best_one_to_float32_rounding(fmt):
+    """Built for x86-64 without FMA, the portable variant computes each multiply-add as a product then a sum (two
+    roundings) where the AVX2 and AVX-512 variants fuse it (one): the same order of operations, so the results
+    differ by float32 rounding only, in decode (one row), a small batch and a prefill (T=40, the packed tiles).
+    (Where it is built with a fused multiply-add, aarch64, it uses it: tests/test_native_cross_compile.py.)"""
+    E, K = 5, 2
+    if fmt in (*DENSE, "fused"):
+        H, I = 601, 299
+        experts = _dense(E, H, I, "float32" if fmt == "fused" else fmt)
+        experts = _fused_per_expert(experts) if fmt == "fused" else experts
+    else:
+        H, I = (600, 328) if fmt in ("fp8_block", "int8_channel_asym") else (608, 352)
+        experts = _every_code(_quantized(fmt, E=E, H=H, I=I))
+    act = ACTIVATIONS["gpt_oss"]
+    module = native._module()
+    run = jax.jit(lambda x, s: native.routed_experts(experts, x, s, act))
+    for T, seed in ((1, 3), (6, 5), (40, 6)):
+        x, slots = _x(T, H, seed), _slots(T, K, E, seed, in_scale=True, skipped=False)
+        try:
+            best = np.asarray(run(x, slots))
+            assert module.set_isa("generic") == "generic"
+            portable = np.asarray(run(x, slots))
+        finally:
+            module.set_isa("best")
+        err = np.abs(portable - best).max() / np.abs(best).max()
+        assert err <= 1e-5, f"{fmt} T={T}: {err}"
+
+
 def test_without_the_extension_auto_runs_the_cpu_plans(monkeypatch):
     """As installed without a compiler (MOEJAX_NATIVE_BUILD=0): the import of moejax._native_cpu fails."""
-    native._module.cache_clear()
+    native._load.cache_clear()
     monkeypatch.setitem(sys.modules, "moejax._native_cpu", None)  # import raises ImportError
     try:
         assert not native.available() and native.isa() is None
@@ -497,10 +583,10 @@ def test_without_the_extension_auto_runs_the_cpu_plans(monkeypatch):
             native.routed_experts(params.experts, x, _slots(3, 2, 4, 0), ACTIVATIONS["silu"])
         monkeypatch.setenv("MOEJAX_NATIVE", "0")  # the run-time switch hides a built extension too
         monkeypatch.delitem(sys.modules, "moejax._native_cpu")
-        native._module.cache_clear()
+        native._load.cache_clear()
         assert not native.available()
     finally:
-        native._module.cache_clear()
+        native._load.cache_clear()
 
 
 @built

@@ -41,3 +41,16 @@ def test_source_compiles_for_target(target, source, tmp_path):
     assert done.returncode == 0, f"{source} for {target}:\n{done.stderr[-4000:]}"
     header = obj.read_bytes()[:20]
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == TARGETS[target], source
+
+
+@needs_zig
+@pytest.mark.parametrize(("target", "fused"), [("aarch64-linux-gnu", 1), ("x86_64-linux-gnu", 0)])
+def test_the_portable_variant_fuses_multiply_adds_where_the_target_has_them(target, fused, tmp_path):
+    """vec_generic.inc's vfma is std::fma (one rounding: the AVX2 and AVX-512 variants' bits) on aarch64, a product
+    then a sum on x86-64's baseline (csrc/moe_cpu.cc's header says which variants give which bits)."""
+    src = tmp_path / "probe.cc"
+    src.write_text('#include "vec_generic.inc"\nint moe_generic_fused = MOE_GENERIC_FUSED;\n')
+    cmd = [sys.executable, "-m", "ziglang", "c++", "-target", target, *FLAGS, "-Icsrc", "-E", str(src)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"int moe_generic_fused = {fused};" in done.stdout

@@ -217,6 +217,39 @@ def test_enable_false_runs_the_xla_path_and_enable_none_restores_the_default():
 
 
 @built
+def test_enable_keeps_compiled_programs_while_new_traces_follow_it():
+    """The switch is part of the key of JAX's caches, which it does not empty: a user's jitted function compiled
+    before is not traced again after enable(False) and enable(True), while a jitted forward, called again or
+    lowered, follows the setting and gets the native program back."""
+    traces = []
+
+    @jax.jit
+    def user(x):
+        traces.append(x.shape)
+        return jnp.sin(x) * 2
+
+    x = jnp.arange(5.0)
+    user(x)
+    cfg, params = _layer("qwen2_moe")
+    rows = jnp.asarray(_rows(3, 8))
+    forward = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg))
+    on = forward(params, rows)
+    try:
+        native.enable(False)
+        assert "moejax_" not in forward.lower(params, rows).as_text()
+        assert moejax.forward.chosen_impl(params, rows, cfg) == "cpu_decode"
+        off = forward(params, rows)
+    finally:
+        native.enable(True)
+    user(x)
+    assert traces == [x.shape]
+    assert "moejax_" in forward.lower(params, rows).as_text()
+    assert moejax.forward.chosen_impl(params, rows, cfg) == "native"
+    np.testing.assert_allclose(off, on, atol=3e-5, rtol=1e-5)
+    np.testing.assert_array_equal(forward(params, rows), on)
+
+
+@built
 @pytest.mark.parametrize("kind", ["softmax", "sigmoid", "softplus"])
 def test_scores_match_xla_and_a_rows_bits_do_not_depend_on_the_batch(kind):
     """The native router scores equal XLA's to float32 rounding (-inf, an all -inf row, NaN included), with XLA's

@@ -21,8 +21,8 @@ combine; rows with adapter id 0 get the bits of the call without adapters, and a
 not depend on T, its position or its neighbours (their adapters included).
 
 The extension is optional (setup.py); `available()` says whether it is built, loaded and enabled.
-`enable(False)` hides it (then `impl="auto"` runs the XLA plans); MOEJAX_NATIVE=0 in the environment is the
-initial default (read when the extension is first looked up).
+`enable(False)` hides it (then `impl="auto"` runs the XLA plans) for the programs traced afterwards, without
+emptying JAX's caches; MOEJAX_NATIVE=0 in the environment makes off the default.
 """
 
 from __future__ import annotations
@@ -52,30 +52,38 @@ _REGISTERED: set[str] = set()
 _SCALE_DTYPES = {"int": "float32", "fp8_block": "float32", "mxfp4": "uint8", "nvfp4": "float8_e4m3fn"}
 
 
-_enabled: bool | None = None  # set by `enable`; None: the environment's MOEJAX_NATIVE (default on)
+# The switch (`enable`): True or False against the environment's default, None when it agrees with it. A JAX user
+# context, so part of the key of every traced and compiled program (jit, the eager entry points' cached jit): a
+# program traced under one setting is not reused under the other, and switching keeps every compiled program
+# (switching back reuses them), where emptying JAX's caches would throw away all of the process's programs.
+_SWITCH = jax.make_user_context(None)
+
+
+def _default() -> bool:
+    """The environment's default: on unless MOEJAX_NATIVE=0."""
+    return os.environ.get("MOEJAX_NATIVE", "1") != "0"
 
 
 def enable(on: bool | None = True) -> None:
     """Use the native kernels where they are built (True), or hide them (False: `available()` is False, `impl="auto"`
     runs the XLA plans, `impl="native"` raises `NotImplementedError`); None: back to the environment's default
-    (MOEJAX_NATIVE=0: off). The choice is made while tracing, so this clears JAX's caches of traced and compiled
-    programs (`jax.clear_caches`): every later call, eager or jitted, follows it."""
-    global _enabled
-    _enabled = on if on is None else bool(on)
-    _module.cache_clear()
-    jax.clear_caches()
+    (MOEJAX_NATIVE=0: off).
+
+    The choice is made while tracing and is part of the key of JAX's caches of traced and compiled programs: calls
+    after the switch, eager or jitted, follow it (a jitted function is traced again, once per setting). Programs
+    compiled before stay cached, and are reused when the setting is switched back."""
+    _SWITCH.set_global(None if on is None or bool(on) == _default() else bool(on))
 
 
 def enabled() -> bool:
     """Whether the native kernels are switched on (`enable`), built or not."""
-    return _enabled if _enabled is not None else os.environ.get("MOEJAX_NATIVE", "1") != "0"
+    choice = _SWITCH.value
+    return _default() if choice is None else choice
 
 
 @functools.cache
-def _module():
-    """The loaded extension with its FFI targets registered, or None (not built, or switched off: `enable`)."""
-    if not enabled():
-        return None
+def _load():
+    """The extension with its FFI targets registered, or None where it is not built."""
     try:
         module = importlib.import_module("moejax._native_cpu")
     except ImportError:
@@ -87,9 +95,22 @@ def _module():
     return module
 
 
+def _module():
+    """The loaded extension, or None (not built, or switched off: `enable`)."""
+    return _load() if enabled() else None
+
+
 def available() -> bool:
     """Whether the native kernels are built and loaded. Where they run is decided while lowering (`on_cpu`)."""
     return _module() is not None
+
+
+def retained_buffer_bytes() -> int:
+    """The bytes of intermediate buffers the kernels keep between calls (0 when not available). Each set of a
+    call's buffers (one per concurrent caller) is kept for the next call up to a bound (16 MiB: decode and small
+    batches); a larger one, a prefill's, is freed when its call returns."""
+    module = _module()
+    return 0 if module is None else module.call_buffers()["retained_bytes"]
 
 
 def on_cpu(run, fallback, *operands) -> Array:
