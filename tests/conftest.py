@@ -32,13 +32,10 @@ hypothesis.settings.load_profile("moejax")
 # the end of the other's queue; a long test collected last (test_tpu_compile, test_notebooks) would then run alone
 # on one core at the end of the suite.
 LONG_FIRST = ("test_cuda_compile.py", "test_tpu_compile.py", "test_notebooks.py", "test_gpu_bench_smoke.py")
-# Tests that call `moejax.backends.native.enable`, which empties JAX's caches (`jax.clear_caches`): collected last,
-# so that the tests after them in the same worker do not compile again what was compiled before.
-CLEARS_CACHES = ("test_enable_false_runs_the_xla_path_and_enable_none_restores_the_default",)
 
 
 def _order(item) -> int:
-    return 2 if item.name in CLEARS_CACHES else int(item.path.name not in LONG_FIRST)
+    return int(item.path.name not in LONG_FIRST)
 
 
 def pytest_collection_modifyitems(items):
