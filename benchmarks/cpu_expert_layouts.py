@@ -7,7 +7,7 @@ Qwen3-30B-A3B sizes (H=2048, I=768, K=8), float32. Products: 16 distinct `[R, 20
 in one jitted program (warm), ms per product. Plan: E experts per storage, the median over 6 random routings,
 storages interleaved per routing. Compile: `jit(moe_forward).lower(...).compile()` on abstract DeepSeek-V3-sized
 params (E=256, H=7168, I=2048, K=8) in the per-expert layout. Results and the choice they led to:
-benchmarks/RESULTS.md (issue 8).
+benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

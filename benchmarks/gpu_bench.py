@@ -9,7 +9,7 @@ and `jax.lax.ragged_dot`, next to a device-to-device copy and a large bf16 matmu
 "pallas" is `moejax.backends.pallas` (decode kernel for T <= 8, grouped kernels above), "xla" the
 `moejax.backends.xla` plans of the same split, "ragged_dot" a sort + `jax.lax.ragged_dot` implementation (the
 measurement: kernel_bench.py).
-Targets on an H200 (issue 4): decode >= 80% of the copy bandwidth; prefill >= 60% of the matmul rate and >= 2x
+Targets on an H200: decode >= 80% of the copy bandwidth; prefill >= 60% of the matmul rate and >= 2x
 ragged_dot.
 """
 

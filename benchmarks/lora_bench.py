@@ -11,7 +11,7 @@ of T >= n rows mixes all n adapters (T = 1 has one, T = 2 two). Both programs ar
 interleave base and LoRA steps with a fresh x each round, so the load of a shared CPU falls on both alike. The
 ratio is that of the minimum step times (a noisy machine inflates the median, not the minimum); the median is
 printed beside it, and the ratio of the minimum CPU times of the process (all XLA threads; less sensitive to
-other processes taking the cores, still sensitive to their memory traffic). Targets (issue 10): decode <= 1.15x,
+other processes taking the cores, still sensitive to their memory traffic). Targets: decode <= 1.15x,
 prefill <= 1.2x.
 
 Where the time goes: `--targets` keeps only some adapter targets (e.g. `router`, or `experts.gate`), and

@@ -10,7 +10,7 @@ measured in the same run).
 The measurement is gpu_bench.py's (kernel_bench.py: same layers, same `repeated` programs, same table): "pallas" is
 `moejax.backends.pallas`, whose kernels lower to the Mosaic TPU ones on a TPU (`pallas_kernels/tpu_decode.py`,
 `tpu_grouped.py`); GB/s counts the union experts' bf16 weights, TFLOP/s the useful 2·3·H·I per (token, slot) pair.
-Targets (issue 21): decode >= 85% of HBM bandwidth over the union's bytes, prefill >= 70% of the MXU peak at
+Targets: decode >= 85% of HBM bandwidth over the union's bytes, prefill >= 70% of the MXU peak at
 T=2048. Validated rows name the chip as JAX does ("TPU v6 lite"), which `impl="auto"` matches while lowering.
 """
 

@@ -19,8 +19,8 @@ calls moejax and every HF backend once, so that on a shared machine all of them 
 torch runs under `torch.inference_mode()` with `torch.set_num_threads(2)` (--torch-threads); jax uses every core.
 In a round each contender makes one untimed call right before its timed one, so the timed call runs as in a model
 (after a call of its own, not of the other library): torch's OpenMP threads spin for a while after a call
-(libgomp's default) and took the cores from a jax call that followed at once (2026-12-02, quiet 2-core machine,
-median of 7, moejax decode T=1 float32 11.82 ms right after torch vs 7.57 with torch's threads passive).
+(libgomp's default) and took the cores from a jax call that followed at once (quiet 2-core machine, median of 7,
+moejax decode T=1 float32 11.82 ms right after torch vs 7.57 with torch's threads passive).
 
 Run (torch and transformers come with the `peers` extra; torch==2.13.0 is a CPU build):
 

@@ -349,7 +349,7 @@ static int chunk_width(int fmt) {
 //  * Decode ([in, out] weights, every union expert one row, float32 activations): the widest chunks (multiples of
 //    64 columns) that still give every thread two items per phase, so the one-row kernel (inout_row1) reads whole
 //    weight rows, one address-ordered stream per projection, which the prefetchers follow far better than
-//    256-column pieces of rows (docs/notes-kdecode.md).
+//    256-column pieces of rows.
 //  * Otherwise chunk_width.
 static void set_chunks(Job& job, int threads) {
   job.chunk_gu = job.chunk_down = chunk_width(job.fmt);

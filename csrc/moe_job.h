@@ -94,7 +94,7 @@ static inline float activation(const Activation& a, float g, float u) {
 static inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
 // Whether the one-row kernels prefetch float32 weight streams in software (the quantized and 16-bit ones always
-// do). On the Intel Xeon measured (AVX-512, 2026-12-02) float32 decode ran 18-27% faster without (the hardware
+// do). On the Intel Xeon measured (AVX-512) float32 decode ran 18-27% faster without (the hardware
 // streamers keep up with a few wide streams; the hints only add fill-buffer traffic) while the other formats ran
 // 1.4-1.7x slower without theirs; on the AMD EPYC (Zen 3) the prefetch was measured a gain (0.8x the time). Set at
 // load (soft_prefetch_f32_default) and read by the kernels of every variant.

@@ -5,7 +5,7 @@ import os
 # XLA:CPU's cheap pipeline (-O0, no expensive LLVM passes, the older elemental emitters instead of the fusion
 # emitters): compiles are most of the suite's CPU time. -O0 cut them by a fifth (tests/test_pallas_grouped.py 53.1
 # -> 42.7 CPU s, tests/test_quantized.py 61.4 -> 51.5); the elemental emitters halve what is left (16 forwards of
-# four families: 9.5 -> 4.1 CPU s of compiles; docs/notes-suite5.md). Tests of bits across batches compile with
+# four families: 9.5 -> 4.1 CPU s of compiles). Tests of bits across batches compile with
 # XLA's default pipeline (xla_pipeline.DEFAULT_PIPELINE): the cheap one hides the exp bits that change with a loop's
 # vector body and tail. The default pipeline for all: set XLA_FLAGS yourself.
 os.environ.setdefault(

@@ -173,14 +173,16 @@ def _static_work(jaxpr, multiplicity: int = 1) -> int:
 @pytest.mark.parametrize("impl,layout", [("xla_grouped", "stacked"), ("cpu_grouped", "per_expert")])
 def test_backward_work_and_memory_do_not_grow_with_the_number_of_experts(impl, layout):
     """No dot of the grad program runs for every expert whatever the routing (the dense reference's backward
-    scans all E: its routing-independent work grows 16x from E = 16 to 256, the grouped backward's not at all),
+    scans all E: its routing-independent work grows with E, the grouped backward's not at all; E = 16 and 256,
+    64 for the per-expert layout, which compiles a loop per part),
     and its compiled temporary memory stays within 2·T·K·(H+3I)·4 bytes at both E (same T, K), plus the
     gradient outputs for the per-expert layout."""
     T, K, H, I = 64, 4, 32, 16
     act = ACTIVATIONS["silu"]
     x, probe = rows(T, H, 1), rows(T, H, 3)
     work, temp, dense_work = {}, {}, {}
-    for E in (16, 256):
+    small, large = 16, 256 if layout == "stacked" else 64  # the per-expert layout compiles a loop per part
+    for E in (small, large):
         experts = jax.eval_shape(lambda E=E: to_layout(dense(E, H, I), layout))
         slots = _slots(T, K, E, 2)
         for name, backend in (("grouped", impl), ("reference", "reference")):
@@ -191,8 +193,8 @@ def test_backward_work_and_memory_do_not_grow_with_the_number_of_experts(impl, l
             (work if name == "grouped" else dense_work)[E] = amount
         temp[E] = jax.jit(grad_of(impl, slots, act, probe)).lower(experts, x).compile().memory_analysis()
         temp[E] = temp[E].temp_size_in_bytes
-    assert work[256] <= work[16], work
-    assert dense_work[256] >= 8 * dense_work[16] > 0  # the measure tells a backward over all experts
+    assert work[large] <= work[small], work
+    assert dense_work[large] >= large // small * dense_work[small] > 0  # the measure tells a backward over all E
     budget = {E: 2 * T * K * (H + 3 * I) * 4 for E in temp}  # the routed pairs' rows and activations, twice
     if layout == "per_expert":  # each part's gradient is formed in its loop's buffer, then becomes an output
         budget = {E: budget[E] + 3 * E * H * I * 4 for E in temp}

@@ -19,7 +19,7 @@ from pallas_kernels.activations import GatedActivation
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Tolerances follow the float32 error the computation can have, scaled by the magnitudes summed (`_ffn_reference`):
 # two evaluation orders of a sum of n terms differ by a random walk of about sqrt(n) roundings (n <= 56 here: ~7.5)
-# of that magnitude. A flat atol failed on outputs of magnitude 15 (issue 18). Measured: at most 0.27 eps·magnitude
+# of that magnitude. A flat atol failed on outputs of magnitude 15. Measured: at most 0.27 eps·magnitude
 # over 40 random examples of each property. bfloat16 adds BF16_TOL (`_assert_close`).
 ROUNDING_UNITS = 8
 BF16_TOL = 2e-2

@@ -218,14 +218,14 @@ def test_auto_and_dense_programs_for_cpu_hold_no_ragged_all_to_all():
 
 
 # -- the real collective, compiled deviceless ------------------------------------------------------------------
-# A small layer: the transport does not depend on its size (docs/notes-ragged.md: Qwen3-30B-A3B by hand).
+# A small layer: the transport does not depend on its size (benchmarks/tpu_compile.py runs Qwen3-30B-A3B's).
 LAYER = moejax.MoEConfig.preset("qwen3_moe", hidden_size=256, num_experts=8, top_k=2, intermediate_size=128)
 
 
 def compile_ep(devices, platform: str, cfg=LAYER, tokens: int = 8, impl: str = "reference", transport="auto") -> dict:
     """Compile `moe_forward` in all_to_all mode over `devices` for `platform`, bf16 weights and x split over the
     expert axis: compile seconds, ragged all-to-alls in the compiled HLO (TPU: synchronous ops, CUDA: start/done
-    pairs), and `memory_analysis` per device. (docs/notes-ragged.md calls it at full size.)"""
+    pairs), and `memory_analysis` per device."""
     mesh = Mesh(np.array(devices), ("expert",))
     params = jax.eval_shape(lambda k: moejax.init_params(cfg, k, jnp.bfloat16, layout="stacked"), jax.random.key(0))
     place = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))

@@ -1,4 +1,4 @@
-"""Reading hostile files (issue 18): corrupt safetensors headers, truncated shards, malformed JSON, index entries
+"""Reading hostile files: corrupt safetensors headers, truncated shards, malformed JSON, index entries
 pointing outside the checkpoint, absurd layer counts, and quantized checkpoints whose config or stored dtypes
 contradict their tensors. Each is refused with a ValueError naming the file and the key or field, before any
 tensor is decoded the wrong way. Checkpoints are written here with numpy and safetensors (headers by hand where

@@ -1,4 +1,4 @@
-"""Adapters isolated per row, and hostile adapter inputs (issue 18).
+"""Adapters isolated per row, and hostile adapter inputs.
 
 * Adapter ids of any integer type clamp to 0 (no adapter) without wrapping on every path (one device, data-parallel
   rows, EP "replicated" and "all_to_all", the nnx layer), and `checked_moe_forward` raises for them.

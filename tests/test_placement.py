@@ -302,8 +302,8 @@ def test_placement_validation_in_parallel():
 
 
 def test_params_carry_their_placement_and_another_one_raises():
-    """Params laid out by placement A and run with B of the same slot count met other experts' weights silently
-    (issue 18): `shard_params` records A in `params.placement` (static pytree metadata: it survives jit, tree
+    """Params laid out by placement A and run with B of the same slot count would meet other experts' weights
+    silently: `shard_params` records A in `params.placement` (static pytree metadata: it survives jit, tree
     flattening and the nnx layer) and every entry point checks it at trace time, naming both."""
     from flax import nnx
 

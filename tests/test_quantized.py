@@ -393,7 +393,7 @@ def _non_finite_params():
 
 @pytest.mark.parametrize("key", ["int8", "int4_asym", "fp8_block", "mxfp4", "nvfp4"])
 def test_quantize_refuses_non_finite_weights(key):
-    """A NaN became finite codes (and zeroed its group) while the dense forward gives NaN (issue 18)."""
+    """A NaN must not become finite codes (zeroing its group): the dense forward gives NaN."""
     name, options, _ = FORMATS[key]
     cfg, nan_up, inf_down = _non_finite_params()
     with pytest.raises(

@@ -301,7 +301,7 @@ def test_module_placement_with_experts_not_divisible_by_devices_and_validation()
 
 
 def test_adding_statistics_of_other_shapes_raises():
-    """8 devices + 1 device broadcast the 1-device counts over the 8 (every pair counted 8 times; issue 18)."""
+    """8 devices + 1 device broadcast the 1-device counts over the 8 (every pair counted 8 times)."""
     ep, one = moejax.MoEStats.zeros(16, 8), moejax.MoEStats.zeros(16, 1)
     ones = dataclasses.replace(one, device_load=jnp.ones((1,), jnp.int32))
     with pytest.raises(ValueError, match=r"MoEStats.device_load: cannot add shapes \(8,\) and \(1,\).*n=8 vs E=16 n=1"):
