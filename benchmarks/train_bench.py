@@ -11,11 +11,13 @@ On the Qwen3-30B-A3B layer (H=2048, E=128, top-8, I=768, float32), in one proces
 * **memory**: the compiled temporary memory of the full grad program at E = 16, 64, 128, 256 (K=8, same T),
   compiled from shapes alone (nothing allocated), next to the issue's budget 2·T·K·(H+3I)·4 bytes.
 
-Times are medians of --repeats rounds after a warm-up round; a round calls every contender once (interleaved,
-so that all see the same stretches of load on a shared machine). torch runs with 2 threads (--torch-threads).
+Times are medians of --repeats rounds after a warm-up round; a round calls each contender of a library once
+(interleaved within moejax, within transformers and within peft; one library after the other, since two copies of
+the layer's weights and gradients beside a third fill a 24 GB machine: run it on a quiet machine). torch runs with
+2 threads (--torch-threads).
 
     pip install -e ".[peft]"                          # torch (CPU), transformers, peft
-    python benchmarks/train_bench.py                   # T=512 and 2048, median of 3; writes benchmarks/results/
+    JAX_PLATFORMS=cpu python benchmarks/train_bench.py --json   # T=512 and 2048, median of 3; benchmarks/results/
     python benchmarks/train_bench.py --quick           # tiny shapes: a smoke run
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import statistics
 import time
 
@@ -58,7 +61,7 @@ def median_ms(samples: list[float]) -> float:
 
 def interleaved(calls: dict, repeats: int) -> dict[str, list[float]]:
     samples = {name: [] for name in calls}
-    for round_ in range(1 + repeats):
+    for round_ in range(1 + repeats):  # one warm-up round
         for name, call in calls.items():
             start = time.perf_counter()
             call()
@@ -68,34 +71,41 @@ def interleaved(calls: dict, repeats: int) -> dict[str, list[float]]:
 
 
 def moejax_calls(cfg, params, x, probe, lora):
-    """jitted forward, full value_and_grad, LoRA value_and_grad (base frozen) of `<y, probe>`."""
+    """jitted forward, full value_and_grad, LoRA value_and_grad (base frozen) of `<y, probe>`. The parameters are
+    arguments, never closed over (a closure would make them constants of each program: another copy apiece)."""
     ids = jnp.ones(x.shape[0], jnp.int32)
 
-    def loss(experts, x):
+    def loss(experts, params, x, probe):
         return jnp.sum(moejax.moe_forward(dataclasses.replace(params, experts=experts), x, cfg) * probe)
 
-    def lora_loss(lora, x):
+    def lora_loss(lora, params, x, probe, ids):
         return jnp.sum(moejax.moe_forward(params, x, cfg, lora=lora, adapter_ids=ids) * probe)
 
-    fwd = jax.jit(lambda x: moejax.moe_forward(params, x, cfg))
-    full = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    adapters = jax.jit(jax.value_and_grad(lora_loss, argnums=(0, 1)))
+    fwd = jax.jit(lambda params, x: moejax.moe_forward(params, x, cfg))
+    full = jax.jit(jax.value_and_grad(loss, argnums=(0, 2)))
+    adapters = jax.jit(jax.value_and_grad(lora_loss, argnums=(0, 2)))
     return {
-        "fwd": lambda: jax.block_until_ready(fwd(x)),
-        "full": lambda: jax.block_until_ready(full(params.experts, x)),
-        "lora": lambda: jax.block_until_ready(adapters(lora, x)),
+        "fwd": lambda: jax.block_until_ready(fwd(params, x)),
+        "full": lambda: jax.block_until_ready(full(params.experts, params, x, probe)),
+        "lora": lambda: jax.block_until_ready(adapters(lora, params, x, probe, ids)),
     }
 
 
-def hf_calls(layer, params, x, probe, threads: int) -> tuple[dict, dict]:
-    """Per experts backend of transformers: forward (no_grad) and forward+backward w.r.t. x and the experts;
-    peft's LoRA (target_parameters) forward+backward w.r.t. the adapters and x. Backends that fail are reported."""
+def hf_calls(layer, params, x, probe, threads: int, *, peft: bool) -> tuple[dict, dict]:
+    """Per experts backend of transformers: forward (no_grad) and forward+backward w.r.t. x and the experts, or
+    (`peft`) peft's LoRA (target_parameters) forward+backward w.r.t. the adapters and x. Backends that fail are
+    reported with their reason."""
     import torch
 
     torch.set_num_threads(threads)
-    block = vs_hf.build_hf_block(layer, params, "float32")
     xt = torch.from_numpy(np.asarray(x)).clone()[None]
     pt = torch.from_numpy(np.asarray(probe)).clone()[None]
+    if peft:
+        try:
+            return _peft_calls(layer, params, xt, pt), {}
+        except Exception as err:
+            return {}, {"peft": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]}
+    block = vs_hf.build_hf_block(layer, params, "float32")
     calls, skipped = {}, {}
     for backend in vs_hf.hf_backends():
         vs_hf.set_backend(block, backend)
@@ -107,10 +117,6 @@ def hf_calls(layer, params, x, probe, threads: int) -> tuple[dict, dict]:
             continue
         calls[f"hf {backend} fwd"] = _hf_forward(block, xt, backend)
         calls[f"hf {backend} full"] = step
-    try:
-        calls |= _peft_calls(layer, params, xt, pt, [b for b in vs_hf.hf_backends() if f"hf {b} full" in calls])
-    except Exception as err:
-        skipped["peft"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
     return calls, skipped
 
 
@@ -141,7 +147,7 @@ def _hf_train_step(block, xt, pt, params):
     return call
 
 
-def _peft_calls(layer, params, xt, pt, backends) -> dict:
+def _peft_calls(layer, params, xt, pt) -> dict:
     import peft
     import torch
 
@@ -150,11 +156,10 @@ def _peft_calls(layer, params, xt, pt, backends) -> dict:
     config = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=[], target_parameters=targets)
     model = peft.get_peft_model(block, config)
     adapters = [p for n, p in model.named_parameters() if "lora_" in n]
-    for n, p in model.named_parameters():
-        if "lora_" in n:
-            torch.nn.init.normal_(p, std=0.01)
+    for p in adapters:
+        torch.nn.init.normal_(p, std=0.01)
     calls = {}
-    for backend in backends:
+    for backend in vs_hf.hf_backends():
 
         def step(backend=backend):
             vs_hf.set_backend(block, backend)
@@ -162,7 +167,10 @@ def _peft_calls(layer, params, xt, pt, backends) -> dict:
             loss = (model(x) * pt).sum()
             torch.autograd.grad(loss, [x, *adapters])
 
-        step()
+        try:
+            step()
+        except Exception:  # the backends that cannot run here are reported by the full case
+            continue
         calls[f"peft {backend} lora"] = step
     return calls
 
@@ -215,8 +223,20 @@ def main() -> None:
         ours = moejax_calls(cfg, params, x, probe, lora)
         for call in ours.values():
             call()  # compile
-        theirs, skipped = hf_calls(layer, params, x, probe, args.torch_threads)
-        samples = interleaved({**{f"moejax {k}": v for k, v in ours.items()}, **theirs}, args.repeats)
+        samples = interleaved({f"moejax {k}": v for k, v in ours.items()}, args.repeats)
+        del ours
+        gc.collect()
+        print("moejax", {name: median_ms(s) for name, s in samples.items()}, flush=True)
+        # Each library on its own (a second copy of the layer's weights beside the first fills a 24 GB machine).
+        theirs, skipped = hf_calls(layer, params, x, probe, args.torch_threads, peft=False)
+        samples |= interleaved(theirs, args.repeats)
+        del theirs
+        gc.collect()
+        theirs, more_skipped = hf_calls(layer, params, x, probe, args.torch_threads, peft=True)
+        samples |= interleaved(theirs, args.repeats)
+        skipped |= more_skipped
+        del theirs
+        gc.collect()
         ms = {name: median_ms(s) for name, s in samples.items()}
         fwd = ms["moejax fwd"]
         hf_full = min((v, k) for k, v in ms.items() if k.startswith("hf ") and k.endswith(" full"))
