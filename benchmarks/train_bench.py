@@ -107,7 +107,11 @@ def hf_calls(layer, params, x, probe, threads: int, *, peft: bool) -> tuple[dict
             return {}, {"peft": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]}
     block = vs_hf.build_hf_block(layer, params, "float32")
     calls, skipped = {}, {}
+    case = vs_hf.Case("prefill", x.shape[0], "random", "float32")
     for backend in vs_hf.hf_backends():
+        if reason := vs_hf.skip_reason(backend, case, layer.cfg):
+            skipped[backend] = reason
+            continue
         vs_hf.set_backend(block, backend)
         try:
             step = _hf_train_step(block, xt, pt, [block.experts.gate_up_proj, block.experts.down_proj])
@@ -159,7 +163,10 @@ def _peft_calls(layer, params, xt, pt) -> dict:
     for p in adapters:
         torch.nn.init.normal_(p, std=0.01)
     calls = {}
+    case = vs_hf.Case("prefill", xt.shape[1], "random", "float32")
     for backend in vs_hf.hf_backends():
+        if vs_hf.skip_reason(backend, case, layer.cfg):
+            continue
 
         def step(backend=backend):
             vs_hf.set_backend(block, backend)

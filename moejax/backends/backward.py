@@ -102,6 +102,15 @@ class _Stacked:
     def cotangent(self, acc: list | None) -> Any:
         return _cotangent(self.experts, acc)
 
+    def from_each(self, d_ones: list[list]) -> list:
+        """The gradient of every expert at once, `d_ones[e]` expert e's: the transpose of taking all experts (one
+        scatter, not an update per expert)."""
+        floats, _, join = _split(self.experts)
+        E = len(d_ones)
+        take_all = lambda fs: jax.vmap(lambda e: _split(join(fs).expert(e))[0])(jnp.arange(E))
+        stacked = [jnp.stack(leaves) for leaves in zip(*d_ones, strict=True)]
+        return jax.vjp(take_all, floats)[1](stacked)[0]
+
 
 def _view(experts: Any, perturbed: Any) -> tuple[Any, _Stacked | None, bool]:
     """The base experts (a stacked format or `PerExpert`), the adapters' view (or None), and whether the base is
@@ -192,38 +201,47 @@ def routed_vjp(
         carry["out_weight"] = jnp.zeros(M + B, jnp.float32)
     if want_scale:
         carry["in_scale"] = jnp.zeros(M + B, jnp.float32)
-    if want_lora:
-        carry["lora"] = adapters.zeros()
     if isinstance(base, PerExpert):
-        # Unrolled over the parts: each read in place and its gradient formed in its own buffer (a traced index
-        # would copy the part in and the gradient out, several weight-sized passes per expert).
-        d_parts = []
+        # Unrolled over the parts: each read in place and its gradients formed in buffers of its own (a traced
+        # index would copy the part in and its gradient out, several weight-sized passes per expert; a carried
+        # accumulator of the adapters would pass through every part's cond).
+        d_parts, d_loras = [], []
         for e, part in enumerate(base.parts):
             step = functools.partial(expert_step, e, part, first_row[e], counts[e])
-            unused = lambda carry, part=part: (
-                carry,
+            zeros = (
                 _zeros_like_floats(part) if want_base else None,
+                _zeros_like_floats(adapters.take(e)) if want_lora else None,
             )
-            carry, d_part = jax.lax.cond(counts[e] > 0, step, unused, carry)
+            unused = lambda carry, zeros=zeros: (carry, *zeros)
+            carry, d_part, d_lora = jax.lax.cond(counts[e] > 0, step, unused, carry)
             d_parts.append(d_part)
+            d_loras.append(d_lora)
         d_base = PerExpert(tuple(_cotangent(p, d) for p, d in zip(base.parts, d_parts, strict=True)), base.fmt)
+        d_lora = adapters.from_each(d_loras) if want_lora else None
     else:
         stacked = _Stacked(base, want_base)
         active = jnp.nonzero(counts > 0, size=E, fill_value=0)[0]  # [E] experts with pairs first
         if want_base:
             carry["base"] = stacked.zeros()
+        if want_lora:
+            carry["lora"] = adapters.zeros()
 
         def used_expert(u: Array, carry: dict) -> dict:
             e = active[u]
-            rest = {k: v for k, v in carry.items() if k != "base"}
-            rest, d_one = expert_step(e, stacked.take(e), first_row[e], counts[e], rest)
-            return rest | ({"base": stacked.add(carry["base"], e, d_one)} if want_base else {})
+            rest = {k: v for k, v in carry.items() if k not in ("base", "lora")}
+            rest, d_one, d_lora = expert_step(e, stacked.take(e), first_row[e], counts[e], rest)
+            if want_base:
+                rest["base"] = stacked.add(carry["base"], e, d_one)
+            if want_lora:
+                rest["lora"] = adapters.add(carry["lora"], e, d_lora)
+            return rest
 
         carry = jax.lax.fori_loop(0, jnp.sum(counts > 0), used_expert, carry)
         d_base = stacked.cotangent(carry.get("base"))
+        d_lora = carry.get("lora")
 
     unsort = lambda sorted_rows: jnp.zeros(M, jnp.float32).at[order].set(sorted_rows[:M]).reshape(T, K)
-    d_experts = d_base if adapters is None else LoRAExperts(d_base, adapters.cotangent(carry.get("lora")))
+    d_experts = d_base if adapters is None else LoRAExperts(d_base, adapters.cotangent(d_lora))
     d_x = carry["x"].astype(x.dtype) if want_x else None
     d_in_scale = unsort(carry["in_scale"]).astype(slots.in_scale.dtype) if want_scale else None
     d_slots = Slots(
@@ -237,8 +255,8 @@ def routed_vjp(
 
 def _one_expert(e, one, start, count, carry, *, pairs, x, g, row_ids, act, B, want, adapters):
     """Expert e's pairs (sorted rows `[start, start + count)`, count > 0), `one` its weights: the block loop of
-    the module docstring's step 2. Returns the carry and the gradient of `one`'s float leaves (None when not
-    wanted)."""
+    the module docstring's step 2. Returns the carry, the gradient of `one`'s float leaves and that of the
+    expert's adapters (each None when not wanted)."""
     floats, _, join = _split(one)
     dense, group = _float32_view(one)
     if want["base"]:
@@ -273,22 +291,22 @@ def _one_expert(e, one, start, count, carry, *, pairs, x, g, row_ids, act, B, wa
             out["in_scale"] = _masked_update(inner["in_scale"], jnp.sum(dx_in * xb, -1), live, r0)
         if want["x"]:
             out["x"] = inner["x"].at[tok].add(dx_in if scale is None else dx_in * scale[:, None])
-        if want["lora"]:
-            out["lora"] = adapters.add(inner["lora"], e, _split(grads["lora"])[0])
-        return out, grads.get("dense")
+        weights = {k: grads[k] for k in ("dense", "lora") if want["base" if k == "dense" else "lora"]}
+        return out, weights
 
     def next_block(j: Array, inner: dict) -> dict:
-        rest = {k: v for k, v in inner.items() if k != "dense"}
-        rest, d_dense = block(j, rest)
-        return rest | ({"dense": jax.tree.map(jnp.add, inner["dense"], d_dense)} if want["base"] else {})
+        rest = {k: v for k, v in inner.items() if k != "weights"}
+        rest, weights = block(j, rest)
+        return rest | {"weights": jax.tree.map(jnp.add, inner["weights"], weights)}
 
-    # The first block outside the loop: its weight gradient starts the sum (no zeros to add it to); count > 0.
-    inner, d_dense = block(0, carry)
-    if want["base"]:
-        inner["dense"] = d_dense
+    # The first block outside the loop: its weight gradients start the sums (no zeros to add to); count > 0.
+    inner, weights = block(0, carry)
+    inner["weights"] = weights
     inner = jax.lax.fori_loop(1, -(-count // B), next_block, inner)
-    d_one = pull_back(inner.pop("dense"))[0] if want["base"] else None
-    return inner, d_one
+    weights = inner.pop("weights")
+    d_one = pull_back(weights["dense"])[0] if want["base"] else None
+    d_lora = _split(weights["lora"])[0] if want["lora"] else None
+    return inner, d_one, d_lora
 
 
 def _zeros_like_floats(one: Any) -> list:
