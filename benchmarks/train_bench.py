@@ -217,6 +217,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--torch-threads", type=int, default=2)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--hf-backends", nargs="*", default=None, help="transformers experts backends (default: all)")
+    parser.add_argument("--memory-E", type=int, nargs="*", default=None, help="E of the memory rows")
     parser.add_argument("--json", nargs="?", const="", default=None, help="results file (default: results/)")
     args = parser.parse_args()
     layer = vs_hf.make_layer("qwen3-30b-a3b", args.quick)
@@ -235,6 +237,8 @@ def main() -> None:
         gc.collect()
         print("moejax", {name: median_ms(s) for name, s in samples.items()}, flush=True)
         # Each library on its own (a second copy of the layer's weights beside the first fills a 24 GB machine).
+        if args.hf_backends is not None:
+            vs_hf.hf_backends = lambda: list(args.hf_backends)
         theirs, skipped = hf_calls(layer, params, x, probe, args.torch_threads, peft=False)
         samples |= interleaved(theirs, args.repeats)
         del theirs
@@ -257,7 +261,8 @@ def main() -> None:
         rows.append({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
         print(rows[-1], "\n  all:", ms, "\n  skipped:", skipped, flush=True)
     if not args.no_memory:
-        rows += temp_memory(cfg, 64 if args.quick else 512, (16, 64) if args.quick else (16, 64, 128, 256))
+        sizes = args.memory_E or ((16, 64) if args.quick else (16, 64, 128, 256))
+        rows += temp_memory(cfg, 64 if args.quick else 512, tuple(sizes))
     if args.json is not None:
         from report import write  # benchmarks/report.py: the results files' one schema
 
