@@ -25,6 +25,7 @@ import numpy as np
 from model_layers import MODEL_LAYERS, Layer  # this script's directory is on sys.path
 
 from moejax import chosen_impl, init_params, moe_forward, route
+from moejax.__main__ import positive_int  # the CLI's argparse type: an int >= 1
 from moejax.analysis import union_size
 from moejax.config import MoEConfig
 
@@ -189,17 +190,6 @@ def format_table(rows: list[dict], ceilings_note: str) -> str:
             f"{r['pct_matmul']:>5.0f} {r['compile_s']:>9.2f}"
         )
     return "\n".join(lines)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (row counts, repeats); anything else is a usage error."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -91,27 +91,26 @@ def moejax_calls(cfg, params, x, probe, lora):
     }
 
 
-def hf_calls(layer, params, x, probe, threads: int, *, peft: bool) -> tuple[dict, dict]:
+def hf_calls(layer, params, x, probe, threads: int, backends: list[str], *, peft: bool) -> tuple[dict, dict]:
     """Per experts backend of transformers: forward (no_grad) and forward+backward w.r.t. x and the experts, or
     (`peft`) peft's LoRA (target_parameters) forward+backward w.r.t. the adapters and x. Backends that fail are
-    reported with their reason."""
+    reported with their reason (or skipped where `vs_hf` skips them: batched_mm's T·K copies of the weights)."""
     import torch
 
     torch.set_num_threads(threads)
+    case = vs_hf.Case("prefill", x.shape[0], "random", "float32")
+    skipped = {b: reason for b in backends if (reason := vs_hf.skip_reason(b, case, layer.cfg))}
+    backends = [b for b in backends if b not in skipped]
     xt = torch.from_numpy(np.asarray(x)).clone()[None]
     pt = torch.from_numpy(np.asarray(probe)).clone()[None]
     if peft:
         try:
-            return _peft_calls(layer, params, xt, pt), {}
+            return _peft_calls(layer, params, xt, pt, backends), skipped
         except Exception as err:
             return {}, {"peft": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]}
     block = vs_hf.build_hf_block(layer, params, "float32")
-    calls, skipped = {}, {}
-    case = vs_hf.Case("prefill", x.shape[0], "random", "float32")
-    for backend in vs_hf.hf_backends():
-        if reason := vs_hf.skip_reason(backend, case, layer.cfg):
-            skipped[backend] = reason
-            continue
+    calls = {}
+    for backend in backends:
         vs_hf.set_backend(block, backend)
         try:
             step = _hf_train_step(block, xt, pt, [block.experts.gate_up_proj, block.experts.down_proj])
@@ -151,7 +150,7 @@ def _hf_train_step(block, xt, pt, params):
     return call
 
 
-def _peft_calls(layer, params, xt, pt) -> dict:
+def _peft_calls(layer, params, xt, pt, backends: list[str]) -> dict:
     import peft
     import torch
 
@@ -163,10 +162,7 @@ def _peft_calls(layer, params, xt, pt) -> dict:
     for p in adapters:
         torch.nn.init.normal_(p, std=0.01)
     calls = {}
-    case = vs_hf.Case("prefill", xt.shape[1], "random", "float32")
-    for backend in vs_hf.hf_backends():
-        if vs_hf.skip_reason(backend, case, layer.cfg):
-            continue
+    for backend in backends:
 
         def step(backend=backend):
             vs_hf.set_backend(block, backend)
@@ -225,6 +221,7 @@ def main() -> None:
     cfg = layer.cfg
     params = moejax.init_params(cfg, jax.random.key(0), jnp.float32)
     lora = lora_stack(cfg, RANK)
+    backends = vs_hf.hf_backends() if args.hf_backends is None else list(args.hf_backends)
     rows = []
     for T in args.T or ((64, 256) if args.quick else (512, 2048)):
         x = jax.random.normal(jax.random.key(1), (T, cfg.hidden_size), jnp.float32)
@@ -237,13 +234,11 @@ def main() -> None:
         gc.collect()
         print("moejax", {name: median_ms(s) for name, s in samples.items()}, flush=True)
         # Each library on its own (a second copy of the layer's weights beside the first fills a 24 GB machine).
-        if args.hf_backends is not None:
-            vs_hf.hf_backends = lambda: list(args.hf_backends)
-        theirs, skipped = hf_calls(layer, params, x, probe, args.torch_threads, peft=False)
+        theirs, skipped = hf_calls(layer, params, x, probe, args.torch_threads, backends, peft=False)
         samples |= interleaved(theirs, args.repeats)
         del theirs
         gc.collect()
-        theirs, more_skipped = hf_calls(layer, params, x, probe, args.torch_threads, peft=True)
+        theirs, more_skipped = hf_calls(layer, params, x, probe, args.torch_threads, backends, peft=True)
         samples |= interleaved(theirs, args.repeats)
         skipped |= more_skipped
         del theirs

@@ -303,17 +303,8 @@ def route(
         weights = scores(kind, selected_logits)
     else:
         probs = scores_from_logits(logits, cfg.scoring, policy_dtype(cfg.score_dtype, x), scores)  # [T, N]
-        if given:
-            pass
-        elif cfg.hash_routing:
-            indices = hash_indices(router.tid2eid, token_ids.reshape(-1), cfg)
-        else:
-            selection = probs
-            if cfg.correction_bias:
-                selection = selection + router.correction_bias.astype(jnp.float32)
-            if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
-                selection = limit_to_groups(selection, cfg.n_group, cfg.topk_group)
-            _, indices = jax.lax.top_k(selection, K)
+        if not given:
+            indices = _selection(probs, router, token_ids, cfg)
         weights = jnp.take_along_axis(probs, indices, axis=-1)
         if given:
             weights = jnp.where(valid, weights, 0.0)
@@ -333,3 +324,16 @@ def route(
         zero = (indices >= cfg.num_experts) & (indices < cfg.num_selectable)
         zero_weight = row_sum(jnp.where(zero, weights, 0.0))[:, 0]
     return Routing(indices=indices, weights=weights, logits=logits, zero_weight=zero_weight)
+
+
+def _selection(probs: Array, router: RouterParams, token_ids: Array | None, cfg: MoEConfig) -> Array:
+    """The experts `[T, K]` a BEFORE_TOPK router selects from its scores `probs [T, N]`: the hash table row of the
+    token id, or the top-k of the scores plus the correction bias, group-limited."""
+    if cfg.hash_routing:
+        return hash_indices(router.tid2eid, token_ids.reshape(-1), cfg)
+    selection = probs
+    if cfg.correction_bias:
+        selection = selection + router.correction_bias.astype(jnp.float32)
+    if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+        selection = limit_to_groups(selection, cfg.n_group, cfg.topk_group)
+    return jax.lax.top_k(selection, cfg.top_k)[1]

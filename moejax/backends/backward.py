@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.backends.reference import dequantized
 from moejax.backends.xla import grouped_block_rows
 from moejax.experts import Slots
 from moejax.lora import LoRAExpert, LoRAExperts
-from moejax.quantized import QuantizedExperts
 from moejax.quantized.activations import Int8Inputs
 from moejax.weights import ExpertWeights, FusedExpertWeights, PerExpert
 from pallas_kernels.activations import GatedActivation
@@ -127,8 +127,8 @@ def _float32_view(one: Any) -> tuple[Any, int | None]:
     matrices are XLA:CPU's fastest products, and no copy is made); others are dequantized to `ExpertWeights`."""
     if isinstance(one, ExpertWeights | FusedExpertWeights) and one.dtype == jnp.float32:
         return one, None
-    scheme = getattr(one, "scheme", None) if isinstance(one, QuantizedExperts) else None
-    return one.dequantize(), None if scheme is None or scheme.activations != "int8" else scheme.activation_group
+    view = dequantized(one)  # the reference's; its int8-input wrapper is no pytree, so it is unwrapped here
+    return (view.dense, view.group) if isinstance(view, Int8Inputs) else (view, None)
 
 
 def _expert(dense: Any, group: int | None, lora: Any) -> Any:
