@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from oracles import assert_close, gelu_tanh, sigmoid, silu, softmax, softplus
 
 import moejax
 from moejax import MoEConfig
@@ -48,21 +49,6 @@ def _moejax(params, x, cfg, token_ids=None, impl="reference"):
 # --------------------------------------------------------------------------------------------------------------
 # numpy math (FAMILIES.md §0.1)
 # --------------------------------------------------------------------------------------------------------------
-def _sigmoid(z):
-    return 1.0 / (1.0 + np.exp(-z))
-
-
-def _softmax(z):
-    e = np.exp(z - z.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
-
-
-def _silu(z):
-    return z * _sigmoid(z)
-
-
-def _gelu_tanh(z):
-    return 0.5 * z * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z**3)))
 
 
 _erf = np.vectorize(math.erf)
@@ -72,13 +58,8 @@ def _gelu_erf(z):
     return 0.5 * z * (1.0 + _erf(z / math.sqrt(2.0)))
 
 
-def _softplus(z):
-    # torch softplus, beta=1, threshold=20: returns z for z > 20
-    return np.where(z > 20, z, np.log1p(np.exp(np.minimum(z, 20.0))))
-
-
 def _sqrtsoftplus(z):
-    return np.sqrt(_softplus(z))
+    return np.sqrt(softplus(z))
 
 
 def _rms(x, eps):
@@ -98,7 +79,7 @@ def _take(v, idx):
     return np.take_along_axis(v, idx, -1)
 
 
-ACTS = {"silu": _silu, "gelu_tanh": _gelu_tanh, "gelu_erf": _gelu_erf}
+ACTS = {"silu": silu, "gelu_tanh": gelu_tanh, "gelu_erf": _gelu_erf}
 
 
 def _swiglu(x, gate_w, up_w, down_w, act="silu", limit=None, clamp="before", clamp_up=True):
@@ -154,14 +135,14 @@ def np_softmax_topk(p, x, cfg, *, renorm, shared, margins=None):
 
     softmax over E → top-k of probs → `v/Σv` iff renorm (no eps); shared: None | "gated" (`sigmoid(x·w_sg)·s`) |
     "ungated"."""
-    prob = _softmax(x @ p["router.kernel"])
+    prob = softmax(x @ p["router.kernel"])
     idx = _topk(prob, cfg.top_k, margins)
     w = _take(prob, idx)
     if renorm:
         w = w / w.sum(-1, keepdims=True)
     out = _routed_sum(p, x, idx, w, cfg.num_experts)
     if shared == "gated":
-        out = out + _sigmoid(x @ p["shared.gate_kernel"]) * _shared_mlp(p, x)
+        out = out + sigmoid(x @ p["shared.gate_kernel"]) * _shared_mlp(p, x)
     elif shared == "ungated":
         out = out + _shared_mlp(p, x)
     return NP(out, idx, w)
@@ -206,7 +187,7 @@ def np_deepseek_v3(
 ):
     """§6 (and §7 GLM-4.5, §8 GLM-5): sigmoid, bias for selection only, group-limited top-k (top-2 sum per group,
     -inf mask), `w = s[idx]`, `/(Σ+1e-20)` iff norm_topk_prob, `× routed_scaling_factor`, ungated shared."""
-    s = _sigmoid(x @ p["router.kernel"])
+    s = sigmoid(x @ p["router.kernel"])
     c = s + p["router.correction_bias"] if bias else s.copy()
     G, kg = cfg.n_group, cfg.topk_group
     info = {"biased": c.copy()}
@@ -236,7 +217,7 @@ def np_deepseek_v3(
 
 def np_minimax_m2(p, x, cfg, token_ids=None, margins=None, bias=True, renorm=True):
     """§9: sigmoid, top-k of s+b (selection only), `w = s[idx]/Σ` (no eps, no scaling), no groups, no shared."""
-    s = _sigmoid(x @ p["router.kernel"])
+    s = sigmoid(x @ p["router.kernel"])
     idx = _topk(s + p["router.correction_bias"] if bias else s, cfg.top_k, margins)
     w = _take(s, idx)
     if renorm:
@@ -261,7 +242,7 @@ def np_step3p7(
     shared expert's own limit. The scaling is on the routed sum: the weights stay `s[idx]/Σ`."""
     limit = cfg.swiglu_limit if limit is ... else limit
     shared_limit = cfg.shared_swiglu_limit if shared_limit is ... else shared_limit
-    s = _sigmoid(x @ p["router.kernel"])
+    s = sigmoid(x @ p["router.kernel"])
     idx = _topk(s + p["router.correction_bias"] if bias else s, cfg.top_k, margins)
     w = _take(s, idx)
     if renorm:
@@ -276,7 +257,7 @@ def np_longcat_flash(
     p, x, cfg, token_ids=None, margins=None, bias=True, zero="identity", renorm=False, rsf_on_zero=True
 ):
     """§11: softmax over E + Z, top-k of p+b, `w = p[idx] · rsf` (no renorm); zero experts give `w · x`."""
-    prob = _softmax(x @ p["router.kernel"])
+    prob = softmax(x @ p["router.kernel"])
     idx = _topk(prob + p["router.correction_bias"] if bias else prob, cfg.top_k, margins)
     w = _take(prob, idx)
     if renorm:
@@ -311,7 +292,7 @@ def np_deepseek_v4(
     `clamp(up, ±L)`."""
     limit = cfg.swiglu_limit if limit is ... else limit
     logits = x @ p["router.kernel"]
-    s = {"sqrtsoftplus": _sqrtsoftplus, "sigmoid": _sigmoid, "softplus": _softplus}[scoring](logits)
+    s = {"sqrtsoftplus": _sqrtsoftplus, "sigmoid": sigmoid, "softplus": softplus}[scoring](logits)
     if cfg.hash_routing:
         idx = p["router.tid2eid"][np.asarray(token_ids)].astype(np.int64)
     else:
@@ -346,7 +327,7 @@ def np_gemma4(
     z = n * p["router.scale"] if router_prenorm else x
     if router_prenorm and inv_sqrt_h:
         z = z * x.shape[-1] ** -0.5
-    prob = _softmax(z @ p["router.kernel"])
+    prob = softmax(z @ p["router.kernel"])
     idx = _topk(prob, cfg.top_k, margins)
     w = _take(prob, idx)
     if renorm:
@@ -363,7 +344,7 @@ def _gpt_oss_expert(p, e, x, limit, alpha, up_plus_one):
     if limit is not None:
         gate = np.minimum(gate, limit)
         up = np.clip(up, -limit, limit)
-    glu = gate * _sigmoid(alpha * gate)
+    glu = gate * sigmoid(alpha * gate)
     h = (up + 1.0) * glu if up_plus_one else up * glu
     return h @ p["experts.down"][e] + p["experts.down_bias"][e]
 
@@ -387,9 +368,9 @@ def np_gpt_oss(
     logits = x @ p["router.kernel"] + (p["router.bias"] if router_bias else 0.0)
     if softmax_after:
         idx = _topk(logits, cfg.top_k, margins)
-        w = _softmax(_take(logits, idx))
+        w = softmax(_take(logits, idx))
     else:  # softmax over all E before top-k (wrong)
-        prob = _softmax(logits)
+        prob = softmax(logits)
         idx = _topk(prob, cfg.top_k)
         w = _take(prob, idx)
     out = np.zeros_like(x)
@@ -403,7 +384,7 @@ def np_llama4(p, x, cfg, token_ids=None, margins=None, weight_on="input", shared
     """§15: top-k of raw logits; `S = sigmoid(v)` multiplies the expert *input*; ungated shared expert."""
     logits = x @ p["router.kernel"]
     idx = _topk(logits, cfg.top_k, margins)
-    sc = _sigmoid(_take(logits, idx))
+    sc = sigmoid(_take(logits, idx))
     if weight_on == "input":
         out = _routed_sum(p, x, idx, sc, cfg.num_experts, x_in=sc[:, :, None] * x[:, None, :])
     else:
@@ -490,12 +471,6 @@ def _scale(out):
     return max(1.0, _maxabs(out))
 
 
-def _assert_close(got, want, tol=TOL):
-    got = np.asarray(got, np.float64)
-    err = _maxabs(got - want)
-    assert err <= tol * _scale(want), f"max |moejax - numpy| = {err:.3g} (scale {_scale(want):.3g})"
-
-
 def _sets(idx):
     return [tuple(sorted(int(i) for i in row)) for row in np.asarray(idx)]
 
@@ -562,7 +537,7 @@ def test_family_matches_numpy(case, impl, seed):
     want = _run(case, cfg, params, x, tids, margins=margins)
     assume(min(margins, default=math.inf) > 1e-5)  # no near-ties between float32 and float64 selection
     got = _moejax(params, x, cfg, tids, impl)[0]
-    _assert_close(got, want.out)
+    assert_close(got, want.out, TOL)
     if impl == "reference":
         _assert_same_routing(_moejax(params, x, cfg, tids)[1], want)
 
@@ -766,7 +741,7 @@ def test_deepseek_v4_hash_routing_follows_token_ids():
         _assert_same_routing(routing, want)
         for impl in IMPLS:
             got = _moejax(params, x, cfg, tids, impl)[0]
-            _assert_close(got, want.out)
+            assert_close(got, want.out, TOL)
         outs.append(want)
     _assert_feature(_moejax(params, x, cfg, t1, "reference")[0], outs[0], outs[1])
 
@@ -786,11 +761,11 @@ def _clamp_active(p, x, limit, after: bool, shared_limit=None):
     |up| too."""
     gate = np.einsum("th,ehi->tei", x, p["experts.gate"])
     up = np.einsum("th,ehi->tei", x, p["experts.up"])
-    g = _silu(gate) if after else gate
+    g = silu(gate) if after else gate
     ok = (g > limit).any() and (np.abs(up) > limit).any()
     if shared_limit is not None:
         sg = x @ p["shared.gate"]
-        sg = _silu(sg) if after else sg
+        sg = silu(sg) if after else sg
         ok = ok and (sg > shared_limit).any()
     return ok
 
@@ -948,9 +923,9 @@ def _bf16_selection(case, logits, bias, k, scores_in_bf16):
     """Top-k of `scores + bias` from bf16 logits: scores either in float32 (MiniMax-M2: sigmoid of float32(logits))
     or in bf16 (DeepSeek-V4: `softplus(logits).sqrt()` on a bf16 tensor, each op rounding to bf16)."""
     if case == "minimax_m2":
-        s = _bf16(_sigmoid(logits)) if scores_in_bf16 else _sigmoid(logits)
+        s = _bf16(sigmoid(logits)) if scores_in_bf16 else sigmoid(logits)
     else:
-        s = _bf16(np.sqrt(_bf16(_softplus(logits)))) if scores_in_bf16 else _sqrtsoftplus(logits)
+        s = _bf16(np.sqrt(_bf16(softplus(logits)))) if scores_in_bf16 else _sqrtsoftplus(logits)
     margins: list[float] = []
     return _topk(s + bias, k, margins), min(margins)
 
@@ -1008,7 +983,7 @@ def test_gpt_oss_bf16_router():
     if ulps.max() > 1.0:
         problems.append(f"logits differ from bf16(x·W + b) by up to {ulps.max():.1f} bf16 ulps")
     selected = np.take_along_axis(logits, np.asarray(routing.indices), -1)
-    want = _bf16(_softmax(selected))  # of moejax's own selected logits: checks the softmax alone
+    want = _bf16(softmax(selected))  # of moejax's own selected logits: checks the softmax alone
     ulps = np.abs(np.asarray(routing.weights, np.float64) - want) / _bf16_ulp(want)
     if ulps.max() > 1.0:
         problems.append(f"weights differ from bf16(softmax(selected logits)) by up to {ulps.max():.1f} bf16 ulps")

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from oracles import gelu_tanh, normal, sigmoid, silu, softmax, softplus
 from safetensors.numpy import save_file
 
 import moejax
@@ -398,32 +399,11 @@ def test_gemma4_without_moe_block_raises():
 # -- numpy oracles, written from FAMILIES.md on the fused in-memory layout ------------------------------------
 
 
-def _sigmoid(z):
-    return 1 / (1 + np.exp(-z))
-
-
-def _silu(z):
-    return z * _sigmoid(z)
-
-
-def _softmax(z):
-    e = np.exp(z - z.max())
-    return e / e.sum()
-
-
-def _gelu_tanh(z):
-    return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
-
-
-def _softplus(z):
-    return np.where(z > 20, z, np.log1p(np.exp(np.minimum(z, 20))))
-
-
 def _top_k(v, k):
     return np.argsort(-v, kind="stable")[:k]
 
 
-def _swiglu_expert(t, e, x, act=_silu):
+def _swiglu_expert(t, e, x, act=silu):
     """§0.2: gu = gate_up_proj[e]·x, gate = gu[0:I], up = gu[I:2I], y = down_proj[e]·(act(gate)⊙up)."""
     gu = t["experts.gate_up_proj"][e] @ x
     n = t["experts.down_proj"].shape[2]
@@ -432,7 +412,7 @@ def _swiglu_expert(t, e, x, act=_silu):
 
 def _mlp(t, prefix, x, names=("gate_proj", "up_proj", "down_proj")):
     g, u, d = (t[f"{prefix}{n}.weight"] for n in names)
-    return d @ (_silu(g @ x) * (u @ x))
+    return d @ (silu(g @ x) * (u @ x))
 
 
 def _rows(fn, x, token_ids=None):
@@ -442,23 +422,23 @@ def _rows(fn, x, token_ids=None):
 
 
 def ref_mixtral(t, cfg, x, tid):
-    p = _softmax(t["gate.weight"] @ x)
+    p = softmax(t["gate.weight"] @ x)
     idx = _top_k(p, cfg.top_k)
     w = p[idx] / p[idx].sum()
     return sum(wj * _swiglu_expert(t, e, x) for wj, e in zip(w, idx, strict=True))
 
 
 def ref_qwen2_moe(t, cfg, x, tid):
-    p = _softmax(t["gate.weight"] @ x)
+    p = softmax(t["gate.weight"] @ x)
     idx = _top_k(p, cfg.top_k)
     w = p[idx]  # norm_topk_prob=False: raw probabilities
     routed = sum(wj * _swiglu_expert(t, e, x) for wj, e in zip(w, idx, strict=True))
-    g = _sigmoid(t["shared_expert_gate.weight"] @ x)  # [1]
+    g = sigmoid(t["shared_expert_gate.weight"] @ x)  # [1]
     return routed + g * _mlp(t, "shared_expert.", x)
 
 
 def ref_deepseek_v3(t, cfg, x, tid, n_group=4, topk_group=2):
-    s = _sigmoid(t["gate.weight"] @ x)
+    s = sigmoid(t["gate.weight"] @ x)
     c = (s + t["gate.e_score_correction_bias"]).reshape(n_group, -1)
     group_score = np.sort(c, axis=1)[:, -2:].sum(1)
     masked = np.full_like(c, -np.inf)
@@ -471,7 +451,7 @@ def ref_deepseek_v3(t, cfg, x, tid, n_group=4, topk_group=2):
 
 
 def ref_minimax_m2(t, cfg, x, tid):
-    s = _sigmoid(t["gate.weight"] @ x)
+    s = sigmoid(t["gate.weight"] @ x)
     idx = _top_k(s + t["e_score_correction_bias"], cfg.top_k)
     w = s[idx] / s[idx].sum()
     return sum(wj * _swiglu_expert(t, e, x) for wj, e in zip(w, idx, strict=True))
@@ -480,21 +460,21 @@ def ref_minimax_m2(t, cfg, x, tid):
 def _step_expert(t, e, x, limit):
     gu = t["experts.gate_up_proj"][e] @ x
     n = t["experts.down_proj"].shape[2]
-    return t["experts.down_proj"][e] @ (np.minimum(_silu(gu[:n]), limit) * np.clip(gu[n:], -limit, limit))
+    return t["experts.down_proj"][e] @ (np.minimum(silu(gu[:n]), limit) * np.clip(gu[n:], -limit, limit))
 
 
 def ref_step3p7(t, cfg, x, tid, limit=0.8, shared_limit=1.5, scale=1.7):
-    s = _sigmoid(t["gate.weight"] @ x)
+    s = sigmoid(t["gate.weight"] @ x)
     idx = _top_k(s + t["gate.e_score_correction_bias"], cfg.top_k)
     w = s[idx] / s[idx].sum()
     routed = sum(wj * _step_expert(t, e, x, limit) for wj, e in zip(w, idx, strict=True))
     g, u, d = (t[f"shared_experts.{n}_proj.weight"] for n in ("gate", "up", "down"))
-    shared = d @ (np.minimum(_silu(g @ x), shared_limit) * np.clip(u @ x, -shared_limit, shared_limit))
+    shared = d @ (np.minimum(silu(g @ x), shared_limit) * np.clip(u @ x, -shared_limit, shared_limit))
     return routed * scale + shared
 
 
 def ref_longcat_flash(t, cfg, x, tid):
-    p = _softmax(t["router.classifier.weight"] @ x)  # over routed + zero experts; classifier bias ignored
+    p = softmax(t["router.classifier.weight"] @ x)  # over routed + zero experts; classifier bias ignored
     idx = _top_k(p + t["router.e_score_correction_bias"], cfg.top_k)
     w = p[idx] * 6.0
     E = cfg.num_experts
@@ -502,11 +482,11 @@ def ref_longcat_flash(t, cfg, x, tid):
 
 
 def _v4_clamped(gate, up, limit):
-    return _silu(np.minimum(gate, limit)) * np.clip(up, -limit, limit)
+    return silu(np.minimum(gate, limit)) * np.clip(up, -limit, limit)
 
 
 def ref_deepseek_v4(t, cfg, x, tid, limit=1.0):
-    s = np.sqrt(_softplus(t["gate.weight"] @ x))
+    s = np.sqrt(softplus(t["gate.weight"] @ x))
     # Hash layers take the experts from the token-id table, top-k layers from the biased scores.
     idx = t["gate.tid2eid"][tid] if cfg.hash_routing else _top_k(s + t["gate.e_score_correction_bias"], cfg.top_k)
     w = s[idx] / (s[idx].sum() + 1e-20) * 1.5
@@ -522,22 +502,22 @@ def ref_deepseek_v4(t, cfg, x, tid, limit=1.0):
 def ref_gemma4(t, cfg, r, tid, eps=1e-6):
     n = r / np.sqrt(np.mean(r**2) + eps)
     z = n * t["router.scale"] * len(r) ** -0.5
-    p = _softmax(t["router.proj.weight"] @ z)
+    p = softmax(t["router.proj.weight"] @ z)
     idx = _top_k(p, cfg.top_k)
     w = p[idx] / p[idx].sum() * t["router.per_expert_scale"][idx]
     x_e = n * t["pre_feedforward_layernorm_2.weight"]
-    return sum(wj * _swiglu_expert(t, e, x_e, _gelu_tanh) for wj, e in zip(w, idx, strict=True))
+    return sum(wj * _swiglu_expert(t, e, x_e, gelu_tanh) for wj, e in zip(w, idx, strict=True))
 
 
 def ref_gpt_oss(t, cfg, x, tid, limit=1.5, alpha=1.702):
     logits = t["router.weight"] @ x + t["router.bias"]
     idx = _top_k(logits, cfg.top_k)
-    w = _softmax(logits[idx])  # softmax after top-k
+    w = softmax(logits[idx])  # softmax after top-k
     out = 0
     for wj, e in zip(w, idx, strict=True):
         gu = x @ t["experts.gate_up_proj"][e] + t["experts.gate_up_proj_bias"][e]  # [E, H, 2I] transposed
         gate, up = np.minimum(gu[0::2], limit), np.clip(gu[1::2], -limit, limit)  # interleaved
-        h = (up + 1) * (gate * _sigmoid(alpha * gate))
+        h = (up + 1) * (gate * sigmoid(alpha * gate))
         out = out + wj * (h @ t["experts.down_proj"][e] + t["experts.down_proj_bias"][e])
     return out
 
@@ -548,9 +528,9 @@ def ref_llama4(t, cfg, x, tid):
     n = cfg.intermediate_size
     out = _mlp(t, "shared_expert.", x)
     for e in idx:
-        x_e = _sigmoid(logits[e]) * x  # the score scales the expert input
+        x_e = sigmoid(logits[e]) * x  # the score scales the expert input
         gu = x_e @ t["experts.gate_up_proj"][e]  # [E, H, 2I] transposed, concatenated halves
-        out = out + (gu[n:] * _silu(gu[:n])) @ t["experts.down_proj"][e]
+        out = out + (gu[n:] * silu(gu[:n])) @ t["experts.down_proj"][e]
     return out
 
 
@@ -566,13 +546,9 @@ class Case:
     token_ids: np.ndarray | None = None
 
 
-def _normal(rng, *shape, scale=0.5):
-    return (scale * rng.standard_normal(shape)).astype(np.float32)
-
-
 def _experts(rng, E, n=I):
     """Per-expert Linear weights [out, in]: gate [E, I, H], up [E, I, H], down [E, H, I]."""
-    return _normal(rng, E, n, H), _normal(rng, E, n, H), _normal(rng, E, H, n)
+    return normal(rng, E, n, H), normal(rng, E, n, H), normal(rng, E, H, n)
 
 
 def _fuse(gate, up, down):
@@ -589,7 +565,7 @@ def _split(gate, up, down, names=("gate_proj", "up_proj", "down_proj")):
 
 
 def _mlp_keys(rng, prefix, n, names=("gate_proj", "up_proj", "down_proj")):
-    g, u, d = _normal(rng, n, H), _normal(rng, n, H), _normal(rng, H, n)
+    g, u, d = normal(rng, n, H), normal(rng, n, H), normal(rng, H, n)
     return {f"{prefix}{names[0]}.weight": g, f"{prefix}{names[1]}.weight": u, f"{prefix}{names[2]}.weight": d}
 
 
@@ -600,7 +576,7 @@ def _rename(keys, old, new):
 def case_mixtral(rng):
     cfg = hf.config_from_hf({"model_type": "mixtral", "hidden_size": H, "num_local_experts": 6, "intermediate_size": I})
     gate, up, down = _experts(rng, 6)
-    router = {"gate.weight": _normal(rng, 6, H)}
+    router = {"gate.weight": normal(rng, 6, H)}
     return Case(cfg, router | _fuse(gate, up, down), router | _split(gate, up, down, ("w1", "w3", "w2")), ref_mixtral)
 
 
@@ -608,7 +584,7 @@ def case_qwen2_moe(rng):
     hf_config = {"model_type": "qwen2_moe", "hidden_size": H, "num_experts": 6, "num_experts_per_tok": 3}
     cfg = hf.config_from_hf(hf_config | {"moe_intermediate_size": I, "shared_expert_intermediate_size": 12})
     gate, up, down = _experts(rng, 6)
-    common = {"gate.weight": _normal(rng, 6, H), "shared_expert_gate.weight": _normal(rng, 1, H)}
+    common = {"gate.weight": normal(rng, 6, H), "shared_expert_gate.weight": normal(rng, 1, H)}
     common |= _mlp_keys(rng, "shared_expert.", 12)
     return Case(cfg, common | _fuse(gate, up, down), common | _split(gate, up, down), ref_qwen2_moe)
 
@@ -618,7 +594,7 @@ def case_deepseek_v3(rng):
     hf_config |= {"n_group": 4, "topk_group": 2, "moe_intermediate_size": I, "n_shared_experts": 2}
     cfg = hf.config_from_hf(hf_config, layer_idx=3)
     gate, up, down = _experts(rng, 8)
-    common = {"gate.weight": _normal(rng, 8, H), "gate.e_score_correction_bias": _normal(rng, 8, scale=0.2)}
+    common = {"gate.weight": normal(rng, 8, H), "gate.e_score_correction_bias": normal(rng, 8, scale=0.2)}
     common |= _mlp_keys(rng, "shared_experts.", 2 * I)
     return Case(cfg, common | _fuse(gate, up, down), common | _split(gate, up, down), ref_deepseek_v3)
 
@@ -627,7 +603,7 @@ def case_minimax_m2(rng):
     hf_config = {"model_type": "minimax_m2", "hidden_size": H, "num_local_experts": 6, "intermediate_size": I}
     cfg = hf.config_from_hf(hf_config | {"num_experts_per_tok": 2})
     gate, up, down = _experts(rng, 6)
-    common = {"gate.weight": _normal(rng, 6, H), "e_score_correction_bias": _normal(rng, 6, scale=0.2)}
+    common = {"gate.weight": normal(rng, 6, H), "e_score_correction_bias": normal(rng, 6, scale=0.2)}
     return Case(
         cfg, common | _fuse(gate, up, down), common | _split(gate, up, down, ("w1", "w3", "w2")), ref_minimax_m2
     )
@@ -640,13 +616,13 @@ def case_step3p7(rng):
     text |= {"mlp_layer_types": ["dense", "sparse", "sparse"]}
     cfg = hf.config_from_hf({"model_type": "step3p7", "text_config": text}, layer_idx=2)
     gate, up, down = _experts(rng, 6)
-    W, b = _normal(rng, 6, H), _normal(rng, 6, scale=0.2)
+    W, b = normal(rng, 6, H), normal(rng, 6, scale=0.2)
     shared = _mlp_keys(rng, "shared_experts.", 12)
     fused = {"gate.weight": W, "gate.e_score_correction_bias": b} | _fuse(gate, up, down) | shared
     # On disk (own step3p7 mapping): keys relative to the decoder layer, experts stacked [E, I, H].
     disk = {"moe.gate.weight": W, "moe.router_bias": b, "moe.gate_proj.weight": gate, "moe.up_proj.weight": up}
     disk |= {"moe.down_proj.weight": down} | _rename(shared, "shared_experts.", "share_expert.")
-    disk |= {"self_attn.q_proj.weight": _normal(rng, H, H), "input_layernorm.weight": _normal(rng, H)}
+    disk |= {"self_attn.q_proj.weight": normal(rng, H, H), "input_layernorm.weight": normal(rng, H)}
     return Case(cfg, fused, disk, ref_step3p7)
 
 
@@ -654,12 +630,12 @@ def case_longcat_flash(rng):
     hf_config = {"model_type": "longcat_flash", "hidden_size": H, "n_routed_experts": 6, "zero_expert_num": 2}
     cfg = hf.config_from_hf(hf_config | {"moe_topk": 3, "expert_ffn_hidden_size": I})
     gate, up, down = _experts(rng, 6)
-    bias = _normal(rng, 8, scale=0.05)
+    bias = normal(rng, 8, scale=0.05)
     bias[6:] += 0.2  # make the zero (identity) experts win often
-    common = {"router.classifier.weight": _normal(rng, 8, H), "router.e_score_correction_bias": bias}
-    common["router.classifier.bias"] = _normal(rng, 8)  # exists, never applied
+    common = {"router.classifier.weight": normal(rng, 8, H), "router.e_score_correction_bias": bias}
+    common["router.classifier.bias"] = normal(rng, 8)  # exists, never applied
     # In memory gate_up_proj has rows for the zero experts too (never used): fill them with garbage.
-    fused = common | _fuse(np.concatenate([gate, _normal(rng, 2, I, H)]), np.concatenate([up, up[:2]]), down)
+    fused = common | _fuse(np.concatenate([gate, normal(rng, 2, I, H)]), np.concatenate([up, up[:2]]), down)
     return Case(cfg, fused, common | _split(gate, up, down), ref_longcat_flash)
 
 
@@ -668,7 +644,7 @@ def _case_deepseek_v4(rng, layer):
     hf_config |= {"moe_intermediate_size": I, "swiglu_limit": 1.0, "vocab_size": 20}
     cfg = hf.config_from_hf(hf_config | {"mlp_layer_types": ["hash_moe", "moe"]}, layer_idx=layer)
     gate, up, down = _experts(rng, 6)
-    W = _normal(rng, 6, H)
+    W = normal(rng, 6, H)
     shared = _mlp_keys(rng, "shared_experts.", I)
     fused = {"gate.weight": W} | _fuse(gate, up, down) | shared
     disk = {"gate.weight": W} | _split(gate, up, down, ("w1", "w3", "w2"))
@@ -679,7 +655,7 @@ def _case_deepseek_v4(rng, layer):
         fused["gate.tid2eid"] = disk["gate.tid2eid"] = table
         token_ids = rng.integers(0, 20, size=7)
     else:
-        bias = _normal(rng, 6, scale=0.2)
+        bias = normal(rng, 6, scale=0.2)
         fused["gate.e_score_correction_bias"], disk["gate.bias"] = bias, bias
     return Case(cfg, fused, disk, ref_deepseek_v4, token_ids)
 
@@ -694,17 +670,17 @@ def case_gemma4(rng):
     )
     gate, up, down = _experts(rng, 6)
     common = {
-        "router.proj.weight": _normal(rng, 6, H, scale=2.0),
-        "router.scale": 1 + _normal(rng, H, scale=0.2),
-        "router.per_expert_scale": 1 + _normal(rng, 6, scale=0.2),
-        "pre_feedforward_layernorm_2.weight": 1 + _normal(rng, H, scale=0.2),
+        "router.proj.weight": normal(rng, 6, H, scale=2.0),
+        "router.scale": 1 + normal(rng, H, scale=0.2),
+        "router.per_expert_scale": 1 + normal(rng, 6, scale=0.2),
+        "pre_feedforward_layernorm_2.weight": 1 + normal(rng, H, scale=0.2),
     }
     # The rest of the decoder layer, which params_from_hf must ignore by name.
     common |= _mlp_keys(rng, "mlp.", 24) | {"layer_scalar": np.ones((1,), np.float32)}
     for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm", "post_feedforward_layernorm_1"):
-        common[f"{norm}.weight"] = _normal(rng, H)
-    common["post_feedforward_layernorm_2.weight"] = _normal(rng, H)
-    common["self_attn.q_proj.weight"] = _normal(rng, H, H)
+        common[f"{norm}.weight"] = normal(rng, H)
+    common["post_feedforward_layernorm_2.weight"] = normal(rng, H)
+    common["self_attn.q_proj.weight"] = normal(rng, H, H)
     return Case(cfg, common | _fuse(gate, up, down), common | _split(gate, up, down), ref_gemma4)
 
 
@@ -712,8 +688,8 @@ def case_gpt_oss(rng):
     hf_config = {"model_type": "gpt_oss", "hidden_size": H, "num_local_experts": 6, "num_experts_per_tok": 2}
     cfg = hf.config_from_hf(hf_config | {"intermediate_size": I, "swiglu_limit": 1.5})
     gate, up, down = _experts(rng, 6)
-    gate_b, up_b, down_b = _normal(rng, 6, I), _normal(rng, 6, I), _normal(rng, 6, H)
-    common = {"router.weight": _normal(rng, 6, H), "router.bias": _normal(rng, 6)}
+    gate_b, up_b, down_b = normal(rng, 6, I), normal(rng, 6, I), normal(rng, 6, H)
+    common = {"router.weight": normal(rng, 6, H), "router.bias": normal(rng, 6)}
     gate_up = np.empty((6, H, 2 * I), np.float32)  # transposed [E, H, 2I], gate in even columns, up in odd
     gate_up[..., 0::2], gate_up[..., 1::2] = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
     bias = np.empty((6, 2 * I), np.float32)
@@ -731,7 +707,7 @@ def case_llama4(rng):
     text = {"model_type": "llama4_text", "hidden_size": H, "num_local_experts": 6, "num_experts_per_tok": 2}
     cfg = hf.config_from_hf({"model_type": "llama4", "text_config": text | {"intermediate_size": I}})
     gate, up, down = _experts(rng, 6)
-    common = {"router.weight": _normal(rng, 6, H)} | _mlp_keys(rng, "shared_expert.", I)
+    common = {"router.weight": normal(rng, 6, H)} | _mlp_keys(rng, "shared_expert.", I)
     gate_up = np.concatenate([gate.transpose(0, 2, 1), up.transpose(0, 2, 1)], axis=-1)  # [E, H, 2I]
     fused = common | {"experts.gate_up_proj": gate_up, "experts.down_proj": down.transpose(0, 2, 1)}
     return Case(cfg, fused, common | _split(gate, up, down), ref_llama4)
@@ -772,14 +748,14 @@ def test_both_layouts_match_the_oracle(name):
     assert flat_fused.keys() == flat_other.keys()
     for key in flat_fused:
         np.testing.assert_array_equal(flat_fused[key], flat_other[key], err_msg=key)
-    x = rng.standard_normal((7, H)).astype(np.float32)
+    x = rng.standardnormal((7, H)).astype(np.float32)
     np.testing.assert_allclose(_forward(from_fused, case, x), _oracle(case, x), rtol=1e-4, atol=1e-4)
 
 
 def test_longcat_case_uses_zero_experts():
     case = case_longcat_flash(np.random.default_rng(0))
     params = hf.params_from_hf(case.fused, case.cfg)
-    x = np.random.default_rng(1).standard_normal((7, H)).astype(np.float32)
+    x = np.random.default_rng(1).standardnormal((7, H)).astype(np.float32)
     routing = moejax.route(params, jnp.asarray(x), case.cfg)
     assert 0 < int((routing.indices >= case.cfg.num_experts).sum()) < routing.indices.size
 
@@ -804,7 +780,7 @@ def test_swapped_gate_up_is_detected(name):
     rng = np.random.default_rng(7)
     case = CASES[name](rng)
     swapped = _swap_halves(case)
-    x = rng.standard_normal((7, H)).astype(np.float32)
+    x = rng.standardnormal((7, H)).astype(np.float32)
     got = _forward(hf.params_from_hf(swapped.fused, case.cfg), case, x)
     assert not np.allclose(got, _oracle(case, x), rtol=1e-3, atol=1e-3)
 
@@ -849,7 +825,7 @@ def test_params_to_hf_round_trip(family, layout):
         if name == "router.tid2eid":
             flat[name] = jnp.asarray(rng.integers(0, cfg.num_selectable, shape), jnp.int32)
         else:
-            flat[name] = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+            flat[name] = jnp.asarray(rng.standardnormal(shape), jnp.float32)
     params = unflatten(flat)
     written = hf.params_to_hf(params, cfg, layout, family=family)
     back = hf.params_from_hf(written, cfg, layout="stacked", family=family)
@@ -892,8 +868,8 @@ def test_gpt_oss_mxfp4_blocks():
     gu_scales = rng.integers(120, 130, (E, 2 * Iq, Hq // 32), dtype=np.uint8)
     dn_blocks = rng.integers(0, 256, (E, Hq, Iq // 32, 16), dtype=np.uint8)
     dn_scales = rng.integers(120, 130, (E, Hq, Iq // 32), dtype=np.uint8)
-    common = {"router.weight": _normal(rng, E, Hq), "router.bias": _normal(rng, E)}
-    common |= {"experts.gate_up_proj_bias": _normal(rng, E, 2 * Iq), "experts.down_proj_bias": _normal(rng, E, Hq)}
+    common = {"router.weight": normal(rng, E, Hq), "router.bias": normal(rng, E)}
+    common |= {"experts.gate_up_proj_bias": normal(rng, E, 2 * Iq), "experts.down_proj_bias": normal(rng, E, Hq)}
     quantized = common | {"experts.gate_up_proj_blocks": gu_blocks, "experts.gate_up_proj_scales": gu_scales}
     quantized |= {"experts.down_proj_blocks": dn_blocks, "experts.down_proj_scales": dn_scales}
     dense = common | {
@@ -1029,7 +1005,7 @@ def test_read_file_returns_what_was_written(tmp_path, dtype):
     """bfloat16 / float8 come from the file bytes (safetensors' numpy reader fails on float8, and on bfloat16 in
     0.4), the other dtypes from safetensors: all equal, byte for byte, to what safetensors wrote."""
     rng = np.random.default_rng(0)
-    tensors = {"a": rng.standard_normal((3, 5)).astype(dtype), "b": rng.standard_normal((4,)).astype(dtype)}
+    tensors = {"a": rng.standardnormal((3, 5)).astype(dtype), "b": rng.standardnormal((4,)).astype(dtype)}
     path = str(tmp_path / "x.safetensors")
     save_file(tensors, path)
     got = hf.files.read_file(path, ["b", "a"])

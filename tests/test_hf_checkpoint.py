@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from oracles import normal
 from safetensors.numpy import save_file
 
 import moejax
@@ -18,24 +19,20 @@ H, I, E, K = 8, 4, 4, 2
 N_LAYERS = 4
 
 
-def _normal(rng, *shape):
-    return (0.5 * rng.standard_normal(shape)).astype(np.float32)
-
-
 def _per_expert(rng, names=("gate_proj", "up_proj", "down_proj"), n=E, prefix="experts."):
     keys = {}
     for e in range(n):
-        keys[f"{prefix}{e}.{names[0]}.weight"] = _normal(rng, I, H)
-        keys[f"{prefix}{e}.{names[1]}.weight"] = _normal(rng, I, H)
-        keys[f"{prefix}{e}.{names[2]}.weight"] = _normal(rng, H, I)
+        keys[f"{prefix}{e}.{names[0]}.weight"] = normal(rng, I, H)
+        keys[f"{prefix}{e}.{names[1]}.weight"] = normal(rng, I, H)
+        keys[f"{prefix}{e}.{names[2]}.weight"] = normal(rng, H, I)
     return keys
 
 
 def _mlp(rng, prefix, width, names=("gate_proj", "up_proj", "down_proj")):
     return {
-        f"{prefix}{names[0]}.weight": _normal(rng, width, H),
-        f"{prefix}{names[1]}.weight": _normal(rng, width, H),
-        f"{prefix}{names[2]}.weight": _normal(rng, H, width),
+        f"{prefix}{names[0]}.weight": normal(rng, width, H),
+        f"{prefix}{names[1]}.weight": normal(rng, width, H),
+        f"{prefix}{names[2]}.weight": normal(rng, H, width),
     }
 
 
@@ -43,87 +40,87 @@ def _mlp(rng, prefix, width, names=("gate_proj", "up_proj", "down_proj")):
 
 
 def _mixtral_block(rng, layer):
-    return {"gate.weight": _normal(rng, E, H)} | _per_expert(rng, ("w1", "w3", "w2"))
+    return {"gate.weight": normal(rng, E, H)} | _per_expert(rng, ("w1", "w3", "w2"))
 
 
 def _minimax_block(rng, layer):
-    return _mixtral_block(rng, layer) | {"e_score_correction_bias": _normal(rng, E)}
+    return _mixtral_block(rng, layer) | {"e_score_correction_bias": normal(rng, E)}
 
 
 def _qwen_block(rng, layer):
-    return {"gate.weight": _normal(rng, E, H)} | _per_expert(rng)
+    return {"gate.weight": normal(rng, E, H)} | _per_expert(rng)
 
 
 def _qwen_shared_block(rng, layer):
-    shared = _mlp(rng, "shared_expert.", 6) | {"shared_expert_gate.weight": _normal(rng, 1, H)}
+    shared = _mlp(rng, "shared_expert.", 6) | {"shared_expert_gate.weight": normal(rng, 1, H)}
     return _qwen_block(rng, layer) | shared
 
 
 def _deepseek_block(rng, layer):
-    block = {"gate.weight": _normal(rng, E, H), "gate.e_score_correction_bias": _normal(rng, E)}
+    block = {"gate.weight": normal(rng, E, H), "gate.e_score_correction_bias": normal(rng, E)}
     return block | _per_expert(rng) | _mlp(rng, "shared_experts.", I)
 
 
 def _step_block(rng, layer):  # the decoder layer: experts stacked per layer, own names
     return {
-        "moe.gate.weight": _normal(rng, E, H),
-        "moe.router_bias": _normal(rng, E),
-        "moe.gate_proj.weight": _normal(rng, E, I, H),
-        "moe.up_proj.weight": _normal(rng, E, I, H),
-        "moe.down_proj.weight": _normal(rng, E, H, I),
+        "moe.gate.weight": normal(rng, E, H),
+        "moe.router_bias": normal(rng, E),
+        "moe.gate_proj.weight": normal(rng, E, I, H),
+        "moe.up_proj.weight": normal(rng, E, I, H),
+        "moe.down_proj.weight": normal(rng, E, H, I),
         **_mlp(rng, "share_expert.", 6),
-        "self_attn.q_proj.weight": _normal(rng, H, H),
-        "input_layernorm.weight": _normal(rng, H),
-        "post_attention_layernorm.weight": _normal(rng, H),
+        "self_attn.q_proj.weight": normal(rng, H, H),
+        "input_layernorm.weight": normal(rng, H),
+        "post_attention_layernorm.weight": normal(rng, H),
     }
 
 
 def _longcat_block(rng, layer):  # router sized with the 2 zero experts, weights for the real experts only
-    block = {"router.classifier.weight": _normal(rng, E + 2, H), "router.e_score_correction_bias": _normal(rng, E + 2)}
+    block = {"router.classifier.weight": normal(rng, E + 2, H), "router.e_score_correction_bias": normal(rng, E + 2)}
     return block | _per_expert(rng)
 
 
 def _deepseek_v4_block(rng, layer):
-    block = {"gate.weight": _normal(rng, E, H)} | _per_expert(rng, ("w1", "w3", "w2"))
+    block = {"gate.weight": normal(rng, E, H)} | _per_expert(rng, ("w1", "w3", "w2"))
     block |= _mlp(rng, "shared_experts.", I, ("w1", "w3", "w2"))
     if layer == 0:  # hash layer
         block["gate.tid2eid"] = np.stack([rng.permutation(E)[:K] for _ in range(10)]).astype(np.int64)
     else:
-        block["gate.bias"] = _normal(rng, E)
+        block["gate.bias"] = normal(rng, E)
     return block
 
 
 def _gemma4_block(rng, layer):  # the decoder layer: router, experts and norms beside the dense MLP
     block = {
-        "router.proj.weight": _normal(rng, E, H),
-        "router.scale": _normal(rng, H),
-        "router.per_expert_scale": _normal(rng, E),
-        "experts.gate_up_proj": _normal(rng, E, 2 * I, H),
-        "experts.down_proj": _normal(rng, E, H, I),
-        "pre_feedforward_layernorm_2.weight": _normal(rng, H),
-        "post_feedforward_layernorm_1.weight": _normal(rng, H),
-        "post_feedforward_layernorm_2.weight": _normal(rng, H),
-        "pre_feedforward_layernorm.weight": _normal(rng, H),
-        "post_feedforward_layernorm.weight": _normal(rng, H),
-        "self_attn.q_proj.weight": _normal(rng, H, H),
+        "router.proj.weight": normal(rng, E, H),
+        "router.scale": normal(rng, H),
+        "router.per_expert_scale": normal(rng, E),
+        "experts.gate_up_proj": normal(rng, E, 2 * I, H),
+        "experts.down_proj": normal(rng, E, H, I),
+        "pre_feedforward_layernorm_2.weight": normal(rng, H),
+        "post_feedforward_layernorm_1.weight": normal(rng, H),
+        "post_feedforward_layernorm_2.weight": normal(rng, H),
+        "pre_feedforward_layernorm.weight": normal(rng, H),
+        "post_feedforward_layernorm.weight": normal(rng, H),
+        "self_attn.q_proj.weight": normal(rng, H, H),
     }
     return block | _mlp(rng, "mlp.", 12)
 
 
 def _gpt_oss_block(rng, layer):
     return {
-        "router.weight": _normal(rng, E, H),
-        "router.bias": _normal(rng, E),
-        "experts.gate_up_proj": _normal(rng, E, H, 2 * I),
-        "experts.gate_up_proj_bias": _normal(rng, E, 2 * I),
-        "experts.down_proj": _normal(rng, E, I, H),
-        "experts.down_proj_bias": _normal(rng, E, H),
+        "router.weight": normal(rng, E, H),
+        "router.bias": normal(rng, E),
+        "experts.gate_up_proj": normal(rng, E, H, 2 * I),
+        "experts.gate_up_proj_bias": normal(rng, E, 2 * I),
+        "experts.down_proj": normal(rng, E, I, H),
+        "experts.down_proj_bias": normal(rng, E, H),
     }
 
 
 def _llama4_block(rng, layer):
-    block = {"router.weight": _normal(rng, E, H), "experts.gate_up_proj": _normal(rng, E, H, 2 * I)}
-    return block | {"experts.down_proj": _normal(rng, E, I, H)} | _mlp(rng, "shared_expert.", I)
+    block = {"router.weight": normal(rng, E, H), "experts.gate_up_proj": normal(rng, E, H, 2 * I)}
+    return block | {"experts.down_proj": normal(rng, E, I, H)} | _mlp(rng, "shared_expert.", I)
 
 
 _SIZES = {"hidden_size": H, "num_hidden_layers": N_LAYERS, "num_experts_per_tok": K}
@@ -305,7 +302,7 @@ CHECKPOINTS = {
 
 def _dense_layer(rng, prefix):
     """What a dense decoder layer holds: attention and a dense MLP (the text model's layer prefix)."""
-    return {f"{prefix}self_attn.q_proj.weight": _normal(rng, H, H)} | _mlp(rng, f"{prefix}mlp.", 12)
+    return {f"{prefix}self_attn.q_proj.weight": normal(rng, H, H)} | _mlp(rng, f"{prefix}mlp.", 12)
 
 
 def _layer_prefix(block_prefix, layer):
@@ -319,13 +316,13 @@ def write_checkpoint(path, name, seed=0, shards=3, dtype=np.float32):
     """A checkpoint of `name` in its on-disk layout over `shards` files with an index; returns {layer: block keys}."""
     config, prefix, build, moe_layers = CHECKPOINTS[name]
     rng = np.random.default_rng(seed)
-    tensors = {"model.embed_tokens.weight": _normal(rng, 10, H), "lm_head.weight": _normal(rng, 10, H)}
+    tensors = {"model.embed_tokens.weight": normal(rng, 10, H), "lm_head.weight": normal(rng, 10, H)}
     blocks = {}
     for layer in range(N_LAYERS):
         if layer in moe_layers:
             blocks[layer] = {k: v.astype(dtype) if v.dtype == np.float32 else v for k, v in build(rng, layer).items()}
             tensors |= {prefix.format(layer=layer) + k: v for k, v in blocks[layer].items()}
-            tensors[_layer_prefix(prefix, layer) + "input_layernorm.weight"] = _normal(rng, H)
+            tensors[_layer_prefix(prefix, layer) + "input_layernorm.weight"] = normal(rng, H)
         else:
             tensors |= _dense_layer(rng, _layer_prefix(prefix, layer))
     names = sorted(tensors)

@@ -14,6 +14,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from oracles import normal
 from safetensors.numpy import save_file
 
 import moejax
@@ -26,10 +27,6 @@ H, I, E, K = 8, 4, 4, 2
 QH, QI = 32, 32  # quantized cases: multiples of the int4 / NVFP4 groups
 
 
-def _normal(rng, *shape):
-    return (0.5 * rng.standard_normal(shape)).astype(np.float32)
-
-
 def _qwen_config(**fields):
     config = {"model_type": "qwen3_moe", "hidden_size": H, "num_hidden_layers": 2, "num_experts_per_tok": K}
     return config | {"num_local_experts": E, "moe_intermediate_size": I} | fields
@@ -37,11 +34,11 @@ def _qwen_config(**fields):
 
 def _dense_block(rng, layer):
     prefix = f"model.layers.{layer}.mlp."
-    block = {prefix + "gate.weight": _normal(rng, E, H)}
+    block = {prefix + "gate.weight": normal(rng, E, H)}
     for e in range(E):
-        block[f"{prefix}experts.{e}.gate_proj.weight"] = _normal(rng, I, H)
-        block[f"{prefix}experts.{e}.up_proj.weight"] = _normal(rng, I, H)
-        block[f"{prefix}experts.{e}.down_proj.weight"] = _normal(rng, H, I)
+        block[f"{prefix}experts.{e}.gate_proj.weight"] = normal(rng, I, H)
+        block[f"{prefix}experts.{e}.up_proj.weight"] = normal(rng, I, H)
+        block[f"{prefix}experts.{e}.down_proj.weight"] = normal(rng, H, I)
     return block
 
 
@@ -299,11 +296,11 @@ def test_targets_decide_which_modules_are_quantized(tmp_path, dense_params):
     """An attention-only targets list: the experts are stored dense and load dense."""
     config = dense_params[0]
     rng = np.random.default_rng(1)
-    block = {"model.layers.0.mlp.gate.weight": _normal(rng, E, QH)}
+    block = {"model.layers.0.mlp.gate.weight": normal(rng, E, QH)}
     for e in range(E):
-        block[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = _normal(rng, QI, QH)
-        block[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = _normal(rng, QI, QH)
-        block[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = _normal(rng, QH, QI)
+        block[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = normal(rng, QI, QH)
+        block[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = normal(rng, QI, QH)
+        block[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = normal(rng, QH, QI)
     save_file(block, str(tmp_path / "model.safetensors"))
     qc = _ct(_int4(True), "pack-quantized", targets=["re:.*self_attn\\.(q|k|v|o)_proj$"])
     (tmp_path / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))

@@ -14,6 +14,7 @@ from native_inputs import ACTIVATIONS, slots
 from native_inputs import dense as _dense
 from native_inputs import normal as _normal
 from native_inputs import rows as _x
+from oracles import assert_close
 
 import moejax
 from moejax import quantized as Q
@@ -61,17 +62,11 @@ def _reference(experts, x, slots, act):
     return np.asarray(run(experts, x, clamped, act=act))
 
 
-def _assert_close(got, want, what):
-    scale = max(1.0, float(np.abs(want).max()))
-    err = float(np.abs(np.asarray(got) - want).max())
-    assert err <= 3e-5 * scale, f"{what}: max error {err} (scale {scale})"
-
-
 def _check_call(experts, lora, x, slots, act, what):
     """Native with adapters == the reference; id-0 rows (out-of-range ids too) == native without adapters."""
     got = np.asarray(native.routed_experts(adapt(experts, lora), x, slots, act))
     want = _reference(adapt(experts, lora), x, slots, act)
-    _assert_close(got, want, what)
+    assert_close(got, want, what=what)
     base = np.asarray(native.routed_experts(experts, x, slots, act))
     none = np.asarray(clamp_ids(slots.adapter, N_IDS)) == 0
     np.testing.assert_array_equal(got[none], base[none], err_msg=what)

@@ -9,85 +9,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from multihost_worker import numpy_params
+from test_backends import check_layer, layer_forward, layer_inputs, layout_of
 
 import moejax
 from moejax.backends.xla import union_of_experts
 from moejax.experts import Slots, expert_activation, slots_from_routing
-from moejax.params import with_experts_layout
 from moejax.weights import ExpertWeights, FusedExpertWeights
 
 FAMILIES = moejax.FAMILIES
-
-
-def _layout(impl):
-    return "per_expert" if impl.startswith("cpu") else "stacked"
-
-
-def _inputs(cfg, T, seed, dtype=jnp.float32, layout="stacked"):
-    """Params, x [T, H] and token ids drawn with numpy (`numpy_params`, cast to the dtypes `init_params` gives):
-    examples have new shapes, and jax.random would compile its programs again for each (1-3 s of CPU each)."""
-    rng = np.random.default_rng(seed)
-    dtypes = jax.eval_shape(lambda k: moejax.init_params(cfg, k, dtype, layout="stacked"), jax.random.key(0))
-    params = jax.tree.map(lambda a, s: jnp.asarray(np.asarray(a).astype(s.dtype)), numpy_params(cfg, seed), dtypes)
-    x = jnp.asarray(rng.standard_normal((T, cfg.hidden_size)).astype(dtype))
-    token_ids = jnp.asarray(rng.integers(0, cfg.vocab_size, T), jnp.int32) if cfg.hash_routing else None
-    return with_experts_layout(params, layout), x, token_ids
-
-
-forward = jax.jit(moejax.moe_forward, static_argnames=("cfg", "impl"))
-
-
-@st.composite
-def cases(draw, max_rows):
-    """A family at a random size: E up to 256, K up to 8, T rows, rows random or all the same token."""
-    family = draw(st.sampled_from(FAMILIES))
-    E = draw(st.sampled_from([8, 16, 64, 256]))
-    K = draw(st.integers(1, min(8, E)))
-    overrides = {"num_experts": E, "top_k": K}
-    if family == "deepseek_v3":
-        overrides |= {"n_group": 4, "topk_group": 2} if E >= 16 else {"n_group": 2, "topk_group": 1}
-    cfg = moejax.MoEConfig.preset(family, **overrides)
-    T = draw(st.integers(1, max_rows))
-    if max_rows <= 8:
-        T = min(T, 64 // K)
-    same_rows = draw(st.booleans())
-    return cfg, T, same_rows, draw(st.integers(0, 2**16))
-
-
-def _check_plan(impl, cfg, T, same_rows, seed):
-    params, x, tid = _inputs(cfg, T, seed)
-    if same_rows:
-        x = jnp.broadcast_to(x[0], x.shape)
-        tid = None if tid is None else jnp.broadcast_to(tid[0], tid.shape)
-    ref = forward(params, x, cfg, tid, "reference")  # stacked: one program for both plan kinds
-    got = forward(with_experts_layout(params, _layout(impl)), x, cfg, tid, impl)
-    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
-
-
-@settings(max_examples=4)  # each example compiles new shapes (suite time: 27 s at 12); every family: test_families
-@given(case=cases(max_rows=8))
-def test_decode_plan_equals_reference(case):
-    _check_plan("xla_decode", *case)
-
-
-@settings(max_examples=4)  # each example compiles new shapes (suite time: 23 s at 12); every family: below
-@given(case=cases(max_rows=300))
-def test_grouped_plan_equals_reference(case):
-    _check_plan("xla_grouped", *case)
-
-
-# The CPU plans get fewer examples here: tests/test_cpu_plans.py checks them at the plan level.
-@settings(max_examples=3)
-@given(case=cases(max_rows=8))
-def test_cpu_decode_plan_equals_reference(case):
-    _check_plan("cpu_decode", *case)
-
-
-@settings(max_examples=3)
-@given(case=cases(max_rows=300))
-def test_cpu_grouped_plan_equals_reference(case):
-    _check_plan("cpu_grouped", *case)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -95,14 +24,14 @@ def test_cpu_grouped_plan_equals_reference(case):
 def test_every_family_grouped_plans(family, kind):
     """Every family through the grouped plans. Their decode plans: tests/test_families.py::test_family_matches_numpy
     (impl "xla" / "cpu" at T=5 run xla_decode / cpu_decode, every family, against the numpy model)."""
-    _check_plan(f"{kind}_grouped", moejax.MoEConfig.preset(family), 37, False, 4)
+    check_layer(f"{kind}_grouped", moejax.MoEConfig.preset(family), 37, False, 4)
 
 
 def test_grouped_plan_with_empty_experts_and_one_hot_expert():
     """256 experts, a handful of tokens: most experts get nothing; then every token on the same experts."""
     cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=256, top_k=8)
-    _check_plan("xla_grouped", cfg, 5, False, 7)
-    _check_plan("xla_grouped", cfg, 150, True, 8)
+    check_layer("xla_grouped", cfg, 5, False, 7)
+    check_layer("xla_grouped", cfg, 150, True, 8)
 
 
 def test_union_of_experts_dedupes_in_first_seen_order():
@@ -129,9 +58,9 @@ def _check_bfloat16(impl, family, T, seed):
     """bf16 weights and activations: the plans round the activation to bf16 before the down projection, the
     reference does not; the difference stays at bf16 resolution of the output's scale."""
     cfg = moejax.MoEConfig.preset(family)
-    params, x, tid = _inputs(cfg, T, seed, jnp.bfloat16, layout=_layout(impl))
-    ref = forward(params, x, cfg, tid, "reference").astype(jnp.float32)
-    got = forward(params, x, cfg, tid, impl).astype(jnp.float32)
+    params, x, tid = layer_inputs(cfg, T, seed, jnp.bfloat16, layout=layout_of(impl))
+    ref = layer_forward(params, x, cfg, tid, "reference").astype(jnp.float32)
+    got = layer_forward(params, x, cfg, tid, impl).astype(jnp.float32)
     scale = float(jnp.max(jnp.abs(ref)))
     np.testing.assert_allclose(got, ref, rtol=0, atol=3e-2 * scale)
 
@@ -175,7 +104,7 @@ def _run(impl, params, x, slots, cfg, **kwargs):
 @pytest.mark.parametrize("rows", ["random", "same", "distinct"])
 def test_decode_plan_reads_each_union_expert_once(monkeypatch, impl, rows):
     cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=64, top_k=8)
-    params, x, _ = _inputs(cfg, 8, 1, layout=_layout(impl))
+    params, x, _ = layer_inputs(cfg, 8, 1, layout=layout_of(impl))
     if rows == "same":
         x = jnp.broadcast_to(x[0], x.shape)
     distinct = jnp.arange(64, dtype=jnp.int32).reshape(8, 8) if rows == "distinct" else None  # 64 experts
@@ -191,7 +120,7 @@ def test_decode_plan_reads_each_union_expert_once(monkeypatch, impl, rows):
 def test_grouped_plan_reads_each_expert_once_per_block(monkeypatch, E, T, K, block_rows):
     """Experts without tokens are never read; the others once per block of their pairs."""
     cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=E, top_k=K)
-    params, x, _ = _inputs(cfg, T, 2)
+    params, x, _ = layer_inputs(cfg, T, 2)
     routing, slots = _slots(params, x, cfg)
     reads = _count_expert_reads(monkeypatch, params.experts)
     _run("xla_grouped", params, x, slots, cfg, block_rows=block_rows)
@@ -203,7 +132,7 @@ def test_grouped_plan_reads_each_expert_once_per_block(monkeypatch, E, T, K, blo
 
 def test_cpu_grouped_plan_never_reads_empty_experts(monkeypatch):
     cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=64, top_k=2)
-    params, x, _ = _inputs(cfg, 12, 2, layout="per_expert")
+    params, x, _ = layer_inputs(cfg, 12, 2, layout="per_expert")
     routing, slots = _slots(params, x, cfg)
     reads = _count_expert_reads(monkeypatch, params.experts)
     _run("cpu_grouped", params, x, slots, cfg)
@@ -219,7 +148,7 @@ def test_slots_skip_ids_past_the_experts():
     """Ids >= E (zero-computation experts, experts of other devices) are never computed by any plan."""
     cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=16, top_k=4)
     for impl in ("xla_decode", "cpu_decode", "xla_grouped", "cpu_grouped", "reference"):
-        params, x, _ = _inputs(cfg, 3, 4, layout=_layout(impl))
+        params, x, _ = layer_inputs(cfg, 3, 4, layout=layout_of(impl))
         indices = jnp.array([[0, 16, 3, 99], [16, 16, 16, 16], [5, 5, 1, 17]], jnp.int32)
         slots = Slots(indices, jnp.where(indices < 16, 0.5, 0.0))
         got = _jit_run(impl, params.experts, x, slots, expert_activation(cfg))
