@@ -2,6 +2,7 @@
 layout (key names from FAMILIES.md §5 of each family, written with numpy, never through `moejax.hf`), sharded
 over three files with an index, one MoE layer spanning two shards."""
 
+import dataclasses
 import json
 
 import jax
@@ -546,7 +547,7 @@ def test_save_layer_writes_the_on_disk_layout(tmp_path, name):
     written = hf.files.read_file(shard, hf.files.weight_map(shard))
     block_prefix = prefix.format(layer=layer)
     original = {block_prefix + k: v for k, v in blocks[layer].items()}
-    for key in set(written) - set(original):  # LongCat: zero rows for the zero experts, as transformers sizes it
+    for key in set(written) - set(original):  # LongCat: zero rows for the zero experts (a new checkpoint)
         assert name == "longcat_flash" and int(key.split(".")[-3]) >= E and not written[key].any(), key
     for key in set(written) & set(original):
         np.testing.assert_array_equal(written[key], original[key], err_msg=key)
@@ -555,6 +556,31 @@ def test_save_layer_writes_the_on_disk_layout(tmp_path, name):
     cfg2, params2 = hf.load_layer(tmp_path / "dst", layer, layout="stacked")
     assert cfg2 == cfg
     _assert_params_equal(params2, params)
+
+
+@pytest.mark.parametrize("stored", ["per_expert", "fused", "fused_with_zero_rows"])
+def test_longcat_zero_expert_rows_follow_the_checkpoint(tmp_path, stored):
+    """transformers versions differ on rows for LongCat's zero experts (never used): some size the fused
+    `gate_up_proj` with them, others refuse a checkpoint that has them. A save into a checkpoint keeps what it
+    stores, so the transformers that wrote it still reads it."""
+    blocks = write_checkpoint(tmp_path, "longcat_flash")
+    layer, prefix = 1, "model.layers.1.mlp."
+    if stored != "per_expert":  # the block re-saved fused, as a transformers version writes it
+        rows = E + 2 if stored == "fused_with_zero_rows" else E
+        hf.save_layer(tmp_path, layer, hf.load_layer(tmp_path, layer, layout="stacked")[1], experts="fused")
+        shard = hf.files.weight_map(tmp_path)[prefix + "experts.gate_up_proj"]
+        written = hf.files.read_file(shard, hf.files.weight_map(shard))
+        written[prefix + "experts.gate_up_proj"] = written[prefix + "experts.gate_up_proj"][:rows]
+        save_file(written, shard)
+    params = hf.load_layer(tmp_path, layer, layout="stacked")[1]
+    params = dataclasses.replace(params, experts=jax.tree.map(lambda w: 2 * w, params.experts))
+    shard = hf.save_layer(tmp_path, layer, params, experts="per_expert" if stored == "per_expert" else "fused")
+    written = hf.files.read_file(shard, hf.files.weight_map(shard))
+    if stored == "per_expert":
+        assert {k[len(prefix) :] for k in written if ".experts." in k} == {k for k in blocks[layer] if "experts." in k}
+    else:
+        assert written[prefix + "experts.gate_up_proj"].shape[0] == rows
+    _assert_params_equal(hf.load_layer(tmp_path, layer, layout="stacked")[1], params)
 
 
 def test_save_layer_replaces_a_block_in_a_sharded_checkpoint(tmp_path):

@@ -140,7 +140,8 @@ def save_layer(
         else:
             block = _block_for(family, checkpoint_class, is_composite(config))
         hf = quant.hf if quant is not None else None
-        tensors = _block_tensors(params, config_from_hf(config, layer_idx), block, layer_idx, experts, hf)
+        layer_cfg = config_from_hf(config, layer_idx)
+        tensors = _block_tensors(params, layer_cfg, block, layer_idx, experts, hf)
         hqc = None
         if quant is not None:
             with_dense, hqc = _ignore_dense_modules(config, quant, tensors, block.at(layer_idx), params)
@@ -150,6 +151,9 @@ def save_layer(
         if existing is not None:
             prefix = existing.at(layer_idx)
             owned = [k for k in weight_map if k.startswith(prefix) and existing.keys.owns(k[len(prefix) :])]
+        if existing is not None and block.keys.zero_expert_rows:
+            stored = existing.at(layer_idx), block.at(layer_idx)
+            tensors = _zero_expert_rows_as_stored(tensors, path, weight_map, *stored, layer_cfg.num_experts)
         _check_kept_shards(path, weight_map, owned)
         # Everything is validated; from here on only temporary files are written until `commit`.
         if weight_map and not indexed:  # readers without an index glob *.safetensors: name the old files first
@@ -210,6 +214,22 @@ def _ignore_dense_modules(
     if new_hqc is not None and new_hqc == quant.hf_quant_config:
         new_hqc = None
     return new_config, new_hqc
+
+
+def _zero_expert_rows_as_stored(
+    tensors: dict[str, np.ndarray], path: str, weight_map: dict[str, str], old: str, new: str, num_experts: int
+) -> dict[str, np.ndarray]:
+    """LongCat's block with rows for the zero experts (never used) only where the checkpoint already stores them:
+    transformers versions differ (some size the fused `gate_up_proj` with them, others refuse them), and the
+    checkpoint being updated was written for the version that reads it."""
+    fused, stored = new + "experts.gate_up_proj", old + "experts.gate_up_proj"
+    if fused in tensors and stored in weight_map:
+        rows = shards.header(os.path.join(path, weight_map[stored]))[1][stored]["shape"][0]
+        return tensors | {fused: tensors[fused][:num_experts]} if rows == num_experts else tensors
+    zero_expert = re.compile(re.escape(new) + r"experts\.(\d+)\.")
+    padded = lambda k: (m := zero_expert.match(k)) is not None and int(m.group(1)) >= num_experts
+    kept = {old + k[len(new) :] for k in tensors if padded(k)} & set(weight_map)
+    return tensors if kept else {k: v for k, v in tensors.items() if not padded(k)}
 
 
 def _has_weights(path: str) -> bool:

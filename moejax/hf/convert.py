@@ -146,7 +146,8 @@ def params_to_hf(
     `layout="per_expert"` writes `experts.{e}.{gate,up,down}_proj.weight` (and `.bias` for gpt-oss). The names
     are those of `family`'s in-memory block (or `block_keys`, e.g. the on-disk keys of a family record);
     without either, transformers' usual names, an error for configs they cannot hold. LongCat's
-    `gate_up_proj` has zero rows for its zero experts, as transformers sizes it.
+    `gate_up_proj` has zero rows for its zero experts, as some transformers versions size it (`save_layer` keeps
+    what the checkpoint it updates stores).
 
     Quantized routed experts (`moejax.quantized`) are written in `quant`'s on-disk layout
     (`moejax.hf.expert_tensors.format_to_hf_tensors`: per-expert keys, or gpt-oss's fused MXFP4 blocks whatever `layout`
