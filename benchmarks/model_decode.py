@@ -4,8 +4,8 @@ The model is `moejax.examples.qwen3_moe` (H=64, 16 experts, top-4, 3 MoE layers 
 written in the Hugging Face layout, or --checkpoint): `generate` is one jitted program (the prompt, then a
 `lax.scan` of decode steps with the KV cache). Each impl's program is compiled once, then timed --rounds times
 (the best is kept), the impls taking turns; tokens/s counts the generated tokens of every row. Every impl must
-generate the same tokens. The backend one decode step's MoE call runs (`moejax.chosen_impl`) is recorded beside
-each impl.
+generate the same tokens. The backend impl="auto" runs for a decode step's MoE call (`moejax.chosen_impl`) is
+recorded.
 
     python benchmarks/model_decode.py --json          # writes benchmarks/results/model_decode_<date>_<time>.json
 """
@@ -63,21 +63,23 @@ def main(argv=None) -> int:
         step_x = jax.ShapeDtypeStruct((B, 1, cfg.hidden_size), params.embed.dtype)
         rates = decode_rates(params, cfg, prompt, args.steps, args.impls, args.rounds)
         expected = rates[args.impls[0]][1]
+        row = {"batch": B}
         for impl, (rate, tokens) in rates.items():
             if not np.array_equal(tokens, expected):
                 print(f"B={B}: impl={impl} generated other tokens than impl={args.impls[0]}", file=sys.stderr)
                 return 1
             chosen = moejax.chosen_impl(params.layers[0].mlp, step_x, cfg.moe, impl=impl)
-            rows.append({"batch": B, "impl": impl, "chosen": chosen, "tokens_per_s": round(rate, 1)})
+            row |= {f"{impl}_tokens_per_s": round(rate, 1), **({"auto_runs": chosen} if impl == "auto" else {})}
             print(f"B={B:3d} impl={impl:>6} ({chosen:>10}): {rate:9.1f} tokens/s")
+        rows.append(row)
     if args.json is not None:
         from report import write
 
         sizes = f"H={cfg.hidden_size}, E={cfg.moe.num_experts}, K={cfg.moe.top_k}, I={cfg.moe.intermediate_size}"
         notes = (
             f"moejax.examples.qwen3_moe ({sizes}, {cfg.num_layers} layers), greedy generate of {args.steps} tokens "
-            f"after a {args.prompt}-token prompt as one jitted program; best of {args.rounds}; 'chosen' is what one "
-            "decode step's MoE call runs (moejax.chosen_impl)."
+            f"after a {args.prompt}-token prompt as one jitted program; best of {args.rounds}; 'auto_runs' is what "
+            "impl='auto' runs for a decode step's MoE call (moejax.chosen_impl)."
         )
         write("model_decode", rows, args.json or None, notes=notes)
     return 0
