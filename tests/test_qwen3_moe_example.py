@@ -206,3 +206,26 @@ def test_hostile_checkpoints_are_refused_by_name(checkpoint, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"model\.norm\.weight"):
         qwen3_moe.load(tmp_path)
+
+
+def test_bad_prompts_are_refused_and_unknown_ids_give_nan(model):
+    cfg, params = model
+    with pytest.raises(ValueError, match="prompt must be"):
+        qwen3_moe.generate(params, jnp.zeros((2, 0), jnp.int32), cfg, 3)
+    with pytest.raises(ValueError, match="prompt must be"):
+        qwen3_moe.generate(params, jnp.zeros((2, 3), jnp.float32), cfg, 3)
+    cache = qwen3_moe.KVCache.zeros(cfg, 3, 2)
+    tokens = jnp.asarray([[1, 2], [3, cfg.vocab_size], [-1, 4]], jnp.int32)
+    logits, _ = qwen3_moe.forward(params, tokens, cache, 0, cfg, impl="xla")
+    assert np.isfinite(logits[0]).all() and np.isnan(logits[1, -1]).all() and np.isnan(logits[2]).all()
+
+
+def test_the_decode_benchmark_writes_a_results_file(tmp_path):
+    from benchmark_scripts import load
+
+    path = tmp_path / "model_decode.json"
+    argv = ["--batch", "2", "--steps", "3", "--rounds", "1", "--impls", "auto", "xla", "--json", str(path)]
+    assert load("model_decode").main(argv) == 0
+    run = json.loads(path.read_text())
+    load("report").check(run, path)
+    assert run["results"][0]["batch"] == 2 and run["results"][0]["xla_tokens_per_s"] > 0

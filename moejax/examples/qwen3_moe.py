@@ -295,10 +295,13 @@ def forward(
     return_routing: bool = False,
 ):
     """Logits `[B, T, V]` float32 of `tokens [B, T]` at positions `pos..pos+T-1` (int, may be traced), and the
-    cache with the chunk written. With `return_routing`, also each MoE layer's expert ids `[L_moe, B, T, K]`.
+    cache with the chunk written. A token id outside [0, V) gives NaN logits for its row (inside jit nothing can
+    raise), never another token's. With `return_routing`, also each MoE layer's expert ids `[L_moe, B, T, K]`.
 
     `impl` and `dispatch` are passed to every `moejax.moe_forward` call."""
-    h = params.embed[tokens]  # [B, T, H]
+    h = params.embed.at[tokens].get(
+        mode="fill", fill_value=jnp.nan, wrap_negative_indices=False
+    )  # [B, T, H]; an id outside [0, V): NaN
     ks, vs, chosen = [], [], []
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
@@ -340,6 +343,8 @@ def generate(
        through the whole model with the cache.
     With `return_routing`, also each decode step's expert ids `[steps - 1, L_moe, B, K]` (the prompt's excluded).
     """
+    if prompt.ndim != 2 or prompt.shape[1] < 1 or not jnp.issubdtype(prompt.dtype, jnp.integer):
+        raise ValueError(f"prompt must be [B, P] integer token ids with P >= 1, got {prompt.shape} {prompt.dtype}")
     B, P = prompt.shape
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
