@@ -20,6 +20,9 @@ from moejax.examples import qwen3_moe
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SAVED_BY_TRANSFORMERS = os.path.join(HERE, "fixtures", "qwen3_moe_sharded")
+# Written by tests/fixtures/make_qwen3_moe_generated.py (torch and transformers): a checkpoint and the tokens
+# transformers generated greedily from it.
+GENERATED_BY_TRANSFORMERS = os.path.join(HERE, "fixtures", "qwen3_moe_generated")
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +171,27 @@ def test_loads_the_checkpoint_transformers_saved(checkpoint):
     cache = qwen3_moe.KVCache.zeros(cfg, 1, 4)
     mine, _ = jax.jit(qwen3_moe.forward, static_argnames=("cfg",))(params, jnp.asarray([prompt]), cache, 0, cfg)
     np.testing.assert_allclose(mine[0, -1], logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(
+    not os.path.exists(os.path.join(GENERATED_BY_TRANSFORMERS, "tokens.json")),
+    reason="run tests/fixtures/make_qwen3_moe_generated.py (needs torch and transformers) to create the fixture",
+)
+@pytest.mark.parametrize("ep", [False, True], ids=["one_device", "ep8"])
+def test_greedy_tokens_equal_those_transformers_generated(ep):
+    cfg, params = qwen3_moe.load(GENERATED_BY_TRANSFORMERS)
+    reference = _json(os.path.join(GENERATED_BY_TRANSFORMERS, "tokens.json"))["rows"]
+    prompt = jnp.asarray([row["prompt"] for row in reference], jnp.int32)
+    steps = len(reference[0]["tokens"])
+    dispatch = None
+    if ep:
+        mesh = jax.make_mesh((8,), ("expert",))
+        params, dispatch = qwen3_moe.shard(params, cfg, mesh), moejax.dispatch.expert_parallel("replicated", mesh)
+    tokens = np.asarray(qwen3_moe.generate(params, prompt, cfg, steps, dispatch=dispatch))
+    compared = [i for i, row in enumerate(reference) if row["min_gap"] > 1e-3]
+    assert compared, "every row of the fixture has a near tie: regenerate it with another seed"
+    for i in compared:
+        assert tokens[i].tolist() == reference[i]["tokens"], i
 
 
 def test_expert_parallel_gives_the_same_tokens(model):
