@@ -87,6 +87,10 @@ def numpy_logits(path: str, tokens: list[int]) -> np.ndarray:
         w /= w.sum(-1, keepdims=True)
         h = h + np.einsum("nts,snd->tnd", w, v).reshape(T, N * D) @ t[a + "o_proj.weight"].T
         x = _rms(h, t[p + "post_attention_layernorm.weight"], eps)
+        if i in c["mlp_only_layers"]:  # a dense SwiGLU MLP
+            g, u = x @ t[p + "mlp.gate_proj.weight"].T, x @ t[p + "mlp.up_proj.weight"].T
+            h = h + (g / (1 + np.exp(-g)) * u) @ t[p + "mlp.down_proj.weight"].T
+            continue
         logits = x @ t[p + "mlp.gate.weight"].T  # [T, E]
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
@@ -133,6 +137,18 @@ def test_greedy_tokens_equal_a_float64_numpy_decode(checkpoint, model, impl):
         expected, gap = numpy_greedy(checkpoint, prompt, steps)
         assert gap > 1e-2, f"the oracle's top two logits are {gap} apart: pick another seed"
         assert tokens[row].tolist() == expected, (impl, row)
+
+
+def test_dense_mlp_layers_load_and_decode_as_the_numpy_oracle(tmp_path):
+    """`mlp_only_layers`: layer 1 is a dense SwiGLU MLP, read from mlp.{gate,up,down}_proj (not an MoE block)."""
+    qwen3_moe.write_random_checkpoint(tmp_path, mlp_only_layers=(1,), seed=5)
+    cfg, params = qwen3_moe.load(tmp_path)
+    assert cfg.moe_layers == (0, 2) and isinstance(params.layers[1].mlp, qwen3_moe.DenseMLP)
+    tokens = qwen3_moe.generate(params, jnp.asarray(PROMPT, jnp.int32), cfg, 4, impl="xla")
+    for row, prompt in enumerate(PROMPT):
+        expected, gap = numpy_greedy(str(tmp_path), prompt, 4)
+        assert gap > 1e-2, f"the oracle's top two logits are {gap} apart: pick another seed"
+        assert tokens[row].tolist() == expected, row
 
 
 def test_logits_match_the_numpy_forward(checkpoint, model):

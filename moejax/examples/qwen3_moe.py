@@ -299,9 +299,8 @@ def forward(
     raise), never another token's. With `return_routing`, also each MoE layer's expert ids `[L_moe, B, T, K]`.
 
     `impl` and `dispatch` are passed to every `moejax.moe_forward` call."""
-    h = params.embed.at[tokens].get(
-        mode="fill", fill_value=jnp.nan, wrap_negative_indices=False
-    )  # [B, T, H]; an id outside [0, V): NaN
+    # An id outside [0, V) reads a row of NaN, never another token's row.
+    h = params.embed.at[tokens].get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)  # [B, T, H]
     ks, vs, chosen = [], [], []
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
@@ -309,7 +308,8 @@ def forward(
                 layer.attn, rms_norm(h, layer.input_norm, cfg.rms_norm_eps), cache.k[i], cache.v[i], pos, cfg
             )
             h = h + y
-            ks.append(k), vs.append(v)
+            ks.append(k)
+            vs.append(v)
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             if isinstance(layer.mlp, DenseMLP):
                 h = h + (jax.nn.silu(x @ layer.mlp.gate) * (x @ layer.mlp.up)) @ layer.mlp.down
@@ -382,10 +382,12 @@ def write_random_checkpoint(
     top_k: int = 4,
     moe_intermediate_size: int = 32,
     norm_topk_prob: bool = True,
+    mlp_only_layers: tuple[int, ...] = (),
     seed: int = 0,
 ) -> None:
     """Write a random Qwen3-MoE checkpoint to directory `path` in the layout transformers' `save_pretrained` writes
-    (config.json, model.safetensors; per-expert keys, `[out, in]` weights), float32. The weights are
+    (config.json, model.safetensors; per-expert keys, `[out, in]` weights), float32; the layers `mlp_only_layers`
+    hold a dense MLP of width 4·H instead of an MoE block. The weights are
     `N(0, 1/sqrt(fan_in))` (norms around 1) so that activations keep their scale through the layers and the
     logits of different tokens are well apart (greedy tokens are then stable under float32 rounding)."""
     from safetensors.numpy import save_file
@@ -402,6 +404,11 @@ def write_random_checkpoint(
         t |= {a + "q_proj.weight": linear(N * D, H), a + "k_proj.weight": linear(G * D, H)}
         t |= {a + "v_proj.weight": linear(G * D, H), a + "o_proj.weight": linear(H, N * D)}
         t |= {a + "q_norm.weight": norm(D), a + "k_norm.weight": norm(D)}
+        if i in mlp_only_layers:
+            m = p + "mlp."
+            t |= {m + "gate_proj.weight": linear(4 * H, H), m + "up_proj.weight": linear(4 * H, H)}
+            t[m + "down_proj.weight"] = linear(H, 4 * H)
+            continue
         t[p + "mlp.gate.weight"] = linear(E, H) * 4.0  # a router with clear preferences
         for e in range(E):
             x = f"{p}mlp.experts.{e}."
@@ -424,7 +431,7 @@ def write_random_checkpoint(
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
         "tie_word_embeddings": False,
         "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
+        "mlp_only_layers": sorted(mlp_only_layers),
         "num_experts": E,
         "num_experts_per_tok": top_k,
         "moe_intermediate_size": I,
