@@ -63,3 +63,14 @@ def test_a_row_has_the_same_bits_on_one_thread_and_on_the_pool():
     forward = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg))
     alone = np.asarray(forward(params, jnp.asarray(rows[300:301])))
     np.testing.assert_array_equal(np.asarray(forward(params, jnp.asarray(rows)))[300:301], alone)
+
+
+@built
+@pytest.mark.parametrize("T", [1, 8])
+def test_auto_keeps_the_native_kernels_for_a_tiny_layer(T):
+    """Measured in a whole model's decode loop (benchmarks/model_decode.py), the native kernels on one thread are
+    never slower than the XLA:CPU plans, so "auto" keeps them (and batch invariance at any T) at every size."""
+    cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=16, num_experts=4, top_k=2, intermediate_size=8)
+    params = jax.eval_shape(lambda: moejax.init_params(cfg, jax.random.key(0)))
+    x = jax.ShapeDtypeStruct((T, 1, 16), jnp.float32)
+    assert moejax.chosen_impl(params, x, cfg, platform="cpu") == "native"
