@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -97,7 +98,8 @@ def matmul(x: Array, w: Array) -> Array:
     """`x [T, K] @ w [K, N]` `[T, N]` float32 (x and w in one dtype, or float32 x and a bfloat16 / float16 w,
     widened exactly; accumulated in float32): `linear` in a program lowered for the CPU, `xla_matmul` elsewhere;
     gradients are `xla_matmul`'s."""
-    return _on_cpu(lambda x, w: linear(x, w, max_threads=_MAX_THREADS), xla_matmul, x, w)
+    threads = threads_for(x.shape[0] * _nbytes(w))
+    return _on_cpu(lambda x, w: linear(x, w, max_threads=threads), xla_matmul, x, w)
 
 
 def _matmul_fwd(x, w):
@@ -182,7 +184,8 @@ def native_lora_delta(pair: LoRAPair, x: Array, adapter: Array, *, max_threads: 
 def lora_delta(pair: LoRAPair, x: Array, adapter: Array) -> Array:
     """`pair_delta(pair, x, adapter)` (never None: `pair` is given): by `native_lora_delta` in a program lowered
     for the CPU, by XLA elsewhere; gradients are `pair_delta`'s."""
-    native_run = lambda pair, x, adapter: native_lora_delta(pair, x, adapter, max_threads=_MAX_THREADS)
+    threads = threads_for(x.shape[0] * _nbytes((pair.a, pair.b)) // max(pair.a.shape[0], 1))
+    native_run = lambda pair, x, adapter: native_lora_delta(pair, x, adapter, max_threads=threads)
     return _on_cpu(native_run, pair_delta, pair, x, adapter)
 
 
@@ -221,7 +224,7 @@ def shared_ffn(
         if lora is not None:  # the expert axis of the routed experts' stacks: a [n+1, 1, r, in], b [n+1, 1, out, r]
             one = lambda p: None if p is None else LoRAPair(p.a[:, None], p.b[:, None], p.scale)
             stacked = LoRAExperts(stacked, ExpertLoRA(one(lora.gate), one(lora.up), one(lora.down)))
-        return native.routed_experts(stacked, x, slots, act, max_threads=_MAX_THREADS)
+        return native.routed_experts(stacked, x, slots, act, max_threads=threads_for(T * _nbytes(stacked)))
 
     def _xla_ffn(w, x, lora, adapter):
         return w.ffn(x, act) if lora is None else LoRAExpert(w, lora).ffn(x, act, adapter)
@@ -249,9 +252,37 @@ class LayerOps:
     lora_delta: Callable[[LoRAPair, Array, Array], Array] = lora_delta
 
 
-# At most this many threads in the layer's native calls (0: XLA's whole intra-op pool); read while tracing. Tests
-# set it to compare one thread with the pool.
+# At most this many threads in every native call of the layer (0: `threads_for` decides by the call's size); read
+# while tracing. Tests set it to compare one thread with the pool.
 _MAX_THREADS = 0
+# Below this many bytes of weights streamed by one call, it runs on the calling thread alone. Each of a call's
+# phases wakes XLA's pool and waits for it (csrc/parallel.inc), a fixed cost of several microseconds per phase,
+# more on a busy machine, while a thread streams about 4 MiB of float32 weights in ~100 us: in a whole tiny model's
+# decode loop (benchmarks/model_decode.py, H=64, 16 experts, top-4) the pool made the native layers twice as slow
+# as one thread, and one thread was as fast as or faster than the pool up to H=256, I=128, T=8 (1.5 MiB).
+SINGLE_THREAD_BYTES = 4 * 2**20
+
+
+def threads_for(weight_bytes: int) -> int:
+    """The `max_threads` of a native call that streams `weight_bytes` of weights (summed over what its rows read):
+    1 below `SINGLE_THREAD_BYTES`, else 0 (the whole pool); the threads never change a result's bits."""
+    if _MAX_THREADS:
+        return _MAX_THREADS
+    return 1 if weight_bytes < SINGLE_THREAD_BYTES else 0
+
+
+def _nbytes(tree) -> int:
+    return sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
+
+
+def routed_experts(experts, x: Array, slots: Slots, act: GatedActivation, *, block_rows=None) -> Array:
+    """`native.routed_experts` (the "native" backend) on as many threads as its size pays for (`threads_for`:
+    each (row, slot) pair streams one expert's weights)."""
+    pairs = slots.indices.shape[0] * slots.indices.shape[1]
+    per_expert = _nbytes(experts) // max(experts.num_experts, 1)
+    return native.routed_experts(
+        experts, x, slots, act, block_rows=block_rows, max_threads=threads_for(pairs * per_expert)
+    )
 
 
 def layer_ops(impl: str) -> LayerOps | None:

@@ -1,0 +1,76 @@
+"""How many threads the native layer's calls ask for: small calls run on the calling thread alone (waking XLA's
+pool cost more than it saved inside a tiny model's decode loop), large ones on the whole pool; the bits do not
+depend on it."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moejax
+from moejax.backends import native, native_layer
+
+built = pytest.mark.skipif(not native.available(), reason="the native extension is not built")
+
+
+def _threads_of_calls(cfg: moejax.MoEConfig, T: int, dtype=jnp.float32) -> dict[str, set[int]]:
+    """{FFI target: the max_threads attributes of its calls} in the CPU program of a forward of T rows (lowered
+    from shapes alone: full-size layers cost no memory)."""
+    params = jax.eval_shape(lambda: moejax.init_params(cfg, jax.random.key(0), dtype, layout="stacked"))
+    x = jax.ShapeDtypeStruct((T, cfg.hidden_size), dtype)
+    text = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg)).trace(params, x).lower().as_text()
+    calls: dict[str, set[int]] = {}
+    for target, attrs in re.findall(r"custom_call @(\w+)\(.*?backend_config = \{(.*?)\}", text):
+        calls.setdefault(target, set()).update(int(n) for n in re.findall(r"max_threads = (\d+)", attrs))
+    return calls
+
+
+@built
+def test_a_tiny_layer_runs_every_native_call_on_one_thread():
+    """H=64, 16 experts, top-4 (the whole-model example's layers) at decode and at T=8."""
+    cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=64, num_experts=16, top_k=4, intermediate_size=32)
+    for T in (1, 8):
+        calls = _threads_of_calls(cfg, T)
+        assert calls == {"moejax_linear": {1}, "moejax_scores": set(), "moejax_routed_experts": {1}}, (T, calls)
+
+
+@built
+def test_a_full_size_layer_keeps_the_pool():
+    """Qwen3-30B-A3B's layer at decode (8 experts of 2048 x 768: 38 MB of float32 weights per token) uses the pool
+    for its experts; its router (1 MB) runs on one thread."""
+    cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=2048, num_experts=128, top_k=8, intermediate_size=768)
+    calls = _threads_of_calls(cfg, 1)
+    assert calls["moejax_routed_experts"] == {0} and calls["moejax_linear"] == {1}, calls
+
+
+@built
+def test_the_threshold_is_on_the_bytes_streamed():
+    below = native_layer.SINGLE_THREAD_BYTES - 1
+    assert native_layer.threads_for(below) == 1 and native_layer.threads_for(below + 1) == 0
+
+
+@built
+def test_a_row_has_the_same_bits_on_one_thread_and_on_the_pool():
+    """The same row alone (one thread: small) and in a batch large enough for the pool (T=512 x 4 slots x 24 kB
+    per expert = 48 MB streamed), bit for bit, with awkward sizes."""
+    cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=72, num_experts=12, top_k=4, intermediate_size=28)
+    params = moejax.init_params(cfg, jax.random.key(1), layout="stacked")
+    rows = np.array(jax.random.normal(jax.random.key(2), (512, 72)))
+    assert _threads_of_calls(cfg, 1)["moejax_routed_experts"] == {1}
+    assert _threads_of_calls(cfg, 512)["moejax_routed_experts"] == {0}
+    forward = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg))
+    alone = np.asarray(forward(params, jnp.asarray(rows[300:301])))
+    np.testing.assert_array_equal(np.asarray(forward(params, jnp.asarray(rows)))[300:301], alone)
+
+
+@built
+@pytest.mark.parametrize("T", [1, 8])
+def test_auto_keeps_the_native_kernels_for_a_tiny_layer(T):
+    """Measured in a whole model's decode loop (benchmarks/model_decode.py), the native kernels on one thread are
+    never slower than the XLA:CPU plans, so "auto" keeps them (and batch invariance at any T) at every size."""
+    cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=16, num_experts=4, top_k=2, intermediate_size=8)
+    params = jax.eval_shape(lambda: moejax.init_params(cfg, jax.random.key(0)))
+    x = jax.ShapeDtypeStruct((T, 1, 16), jnp.float32)
+    assert moejax.chosen_impl(params, x, cfg, platform="cpu") == "native"
