@@ -1,12 +1,12 @@
 """Kernels for the MoE hot loops, each beside a plain-jnp reference with the same signature.
 
-* `moe_decode` (decode.py): union-of-experts decode, T <= 8 rows, every selected expert's weights read once.
-* `moe_grouped` (grouped.py): grouped prefill over pairs sorted by expert in block-aligned 64-row tiles.
+* `moe_decode` (gpu_decode.py): union-of-experts decode, T <= 8 rows, every selected expert's weights read once.
+* `moe_grouped` (gpu_grouped.py): grouped prefill over pairs sorted by expert in block-aligned 64-row tiles.
 * `moe_tpu_decode` (tpu_decode.py), `moe_tpu_grouped` (tpu_grouped.py, on jax's megablox `gmm`): the same two ops
   on Mosaic TPU, which `moe_decode` / `moe_grouped` lower to in programs built for TPU.
 
 The four share one signature, checks and reference (moe_op.py). The Mosaic GPU ops run the two tile kernels of
-expert_tiles.py (bodies: tile_kernels.py dense, quantized_tiles.py for `QuantizedWeight`s, quantized_weights.py,
+gpu_tiles.py (bodies: gpu_tile_kernels.py dense, gpu_quant_tiles.py for `QuantizedWeight`s, quantized_weights.py,
 whose codes codecs.py decodes for moejax's formats too). With `interpret=None` (the default) a kernel is compiled
 where the program is lowered for CUDA and interpreted where it is lowered for CPU (platform.py). Nothing here
 imports moejax. `validated.json` lists the kernels that benchmarks/gpu_bench.py and tpu_bench.py checked against
@@ -20,9 +20,9 @@ import json
 from pathlib import Path
 
 from pallas_kernels.activations import GatedActivation
-from pallas_kernels.decode import DecodeBlockSizes, moe_decode, moe_decode_reference
-from pallas_kernels.expert_tiles import TileBlockSizes
-from pallas_kernels.grouped import GroupedBlockSizes, moe_grouped, moe_grouped_reference
+from pallas_kernels.gpu_decode import DecodeBlockSizes, moe_decode, moe_decode_reference
+from pallas_kernels.gpu_grouped import GroupedBlockSizes, moe_grouped, moe_grouped_reference
+from pallas_kernels.gpu_tiles import TileBlockSizes
 from pallas_kernels.platform import register_tpu_variant
 from pallas_kernels.quantized_weights import QuantizedWeight, dequantize_weight
 from pallas_kernels.tpu_decode import TpuDecodeBlockSizes, moe_tpu_decode, moe_tpu_decode_reference

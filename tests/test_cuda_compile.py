@@ -327,16 +327,16 @@ def compile_broken(topology, launches: list[dict]) -> dict:
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from pallas_kernels import expert_tiles
+    from pallas_kernels import gpu_tiles
 
     sharding = NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), PartitionSpec())
-    bs = expert_tiles.TileBlockSizes(block_n=256, block_k=64, max_concurrent_steps=2)
+    bs = gpu_tiles.TileBlockSizes(block_n=256, block_k=64, max_concurrent_steps=2)
     E, H, I, NT = 128, 2048, 768, 64
     shapes = [((NT * 64, H), jnp.bfloat16), ((E, H, I), jnp.bfloat16), ((E, H, I), jnp.bfloat16)]
     shapes += [((NT,), jnp.int32), ((NT,), jnp.int32), ((1,), jnp.int32)]
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in shapes]
     del launches[:]
-    lowered = jax.jit(lambda *a: expert_tiles.gate_up_tiles(*a, block_sizes=bs)).trace(*args).lower()
+    lowered = jax.jit(lambda *a: gpu_tiles.gate_up_tiles(*a, block_sizes=bs)).trace(*args).lower()
     with _capture_fd1() as log:
         lowered.compile()
     return {"mosaic_calls": 1, "kernels": parse_ptxas(log[0]), "error": None}
