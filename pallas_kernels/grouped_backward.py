@@ -1,0 +1,190 @@
+"""The VJP of the grouped MoE op (`MoEProblem`) on grouped kernels: cost proportional to the routed pairs.
+
+`moe_grouped_vjp(x, gate, up, down, indices, weights, in_scale, *, activation, biases, cotangent)` returns the
+gradients of `Σ_k w_tk · E_{i_tk}(s_tk · x_t)` for the cotangent `[T, H]` of that float32 sum, as `MoEGrads`. Dense
+weights (bf16/f16/f32) only. The products run on gpu_backward.py's two kernels (Mosaic GPU; megablox `gmm`/`tgmm`
+where the program is lowered for TPU: tpu_backward.py), the rest is XLA over `[R, ·]` rows:
+
+1. The block-aligned tile table of gpu_grouped.py; rows `xs = s · x` gathered into it (padding rows zero), and
+   `dy = w · cotangent` of each row's token.
+2. Recompute (no residual but the inputs): `g = xs · gate_e + bg_e`, `u = xs · up_e + bu_e` (float32), `h = act(g,
+   u)` in the weight dtype; `y = h · down_e + bd_e` only for the slots' weight gradient `<cotangent_t, y>`.
+3. `dh = dy · down_eᵀ`; `(dg, du)` = the activation's VJP (`jax.vjp` of `GatedActivation`, so every kind and
+   clamp is differentiated as the forward computes it: the clamps pass no gradient past their limits).
+4. `dxs = dg · gate_eᵀ + du · up_eᵀ`; per row: `dx_t += s · dxs`, the input scale's gradient `<dxs, x_t>`.
+5. Weight gradients per expert, float32 (`tgmm`): `dgate_e = xs_eᵀ · dg_e`, `dup_e = xs_eᵀ · du_e`, `ddown_e = h_eᵀ ·
+   dy_e`; biases: sums of `dg`, `du`, `dy` over the expert's rows.
+
+The products take the weight dtype (dg, du and dy rounded to it, as the forward rounds h) and accumulate in float32.
+H and I are zero-padded to multiples of 64 (a copy of the weights, only for shapes that are not).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gpu_backward import grouped_matmul, tgmm_tiles
+from pallas_kernels.gpu_grouped import block_aligned_layout, block_aligned_rows
+from pallas_kernels.gpu_tile_kernels import TILE_ROWS
+from pallas_kernels.gpu_tiles import round_up
+from pallas_kernels.moe_op import MoEProblem, dense_reference, moe_op, signature_of
+from pallas_kernels.quantized_weights import QuantizedWeight
+
+Array = jax.Array
+
+
+class MoEGrads(NamedTuple):
+    """Gradients of the routed sum w.r.t. each argument of `MoEProblem`, in its dtype; None for absent arguments
+    (biases, in_scale) and for the weights and biases when `weight_grads=False`."""
+
+    x: Array  # [T, H]
+    gate: Array | None  # [E, H, I]
+    up: Array | None  # [E, H, I]
+    down: Array | None  # [E, I, H]
+    weights: Array  # [T, K]
+    in_scale: Array | None  # [T, K]
+    gate_bias: Array | None  # [E, I]
+    up_bias: Array | None  # [E, I]
+    down_bias: Array | None  # [E, H]
+
+
+def _pad_to(a: Array, axis: int, size: int) -> Array:
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, size - a.shape[axis])
+    return a if a.shape[axis] == size else jnp.pad(a, widths)
+
+
+@moe_op
+def moe_grouped_vjp(
+    p: MoEProblem, *, cotangent: Array, weight_grads: bool = True, interpret: bool | None = None
+) -> MoEGrads:
+    """`MoEGrads` of the routed sum (`MoEProblem`) for `cotangent [T, H]` (module docstring).
+
+    weight_grads: False skips the weight and bias gradients (a frozen base). interpret: as for `moe_grouped`
+    (None: the lowering platform decides; TPU programs run megablox).
+    """
+    if isinstance(p.gate, QuantizedWeight):
+        raise NotImplementedError("moe_grouped_vjp: reads dense weights (quantized bases have no backward kernel)")
+    if cotangent.shape != p.x.shape:
+        raise ValueError(f"moe_grouped_vjp: cotangent must have x's shape {p.x.shape}, got {cotangent.shape=}")
+    T, H, E, I, K = p.dims
+    M, dtype = T * K, p.gate.dtype
+    Hp, Ip = round_up(H, TILE_ROWS), round_up(I, TILE_ROWS)
+    gate, up, down = (
+        _pad_to(_pad_to(w, 1, a), 2, b) for w, a, b in ((p.gate, Hp, Ip), (p.up, Hp, Ip), (p.down, Ip, Hp))
+    )
+    gate_bias, up_bias, down_bias = (
+        None if b is None else _pad_to(b, 1, n) for b, n in zip(p.biases, (Ip, Ip, Hp), strict=True)
+    )
+
+    # 1. The layout; per row its pair, token, input scale and output weight (padding rows: token T, zeros).
+    _, row_pair, tile_expert, num_tiles = block_aligned_layout(p.indices, E)
+    valid = row_pair < M  # [R]
+    pair = jnp.minimum(row_pair, M - 1)
+    token = jnp.where(valid, row_pair // K, T)  # [R]; row T of the extended arrays is zeros
+    x32 = jnp.concatenate([_pad_to(p.x.astype(jnp.float32), 1, Hp), jnp.zeros((1, Hp), jnp.float32)])  # [T+1, Hp]
+    ct = jnp.concatenate([_pad_to(cotangent.astype(jnp.float32), 1, Hp), jnp.zeros((1, Hp), jnp.float32)])
+    real = (p.indices >= 0) & (p.indices < E)
+    w_row = jnp.where(valid, jnp.where(real, p.weights, 0).reshape(-1).astype(jnp.float32)[pair], 0.0)  # [R]
+    scale = None if p.in_scale is None else jnp.where(valid, p.in_scale.reshape(-1).astype(jnp.float32)[pair], 0.0)
+    xs = block_aligned_rows(x32[:T], p.in_scale, row_pair, K, dtype)  # [R, Hp]
+    dy32 = w_row[:, None] * ct[token]  # [R, Hp]
+    dy = dy32.astype(dtype)
+    rows = lambda a: jnp.where(valid[:, None], a, 0.0)  # rows of tiles past those in use are unwritten
+
+    tables = (tile_expert, num_tiles)
+    # The kernels run one after another: each takes its input after the previous kernel's output. On a GPU they
+    # do anyway (each fills the persistent grid); the Mosaic GPU interpreter simulates one GPU per process and
+    # must not run two at once (pallas_kernels.platform).
+    last = [num_tiles]
+
+    def ordered(kernel, lhs, *args, **kwargs):
+        lhs, _ = jax.lax.optimization_barrier((lhs, last[0]))
+        last[0] = kernel(lhs, *args, *tables, interpret=interpret, **kwargs)
+        return last[0]
+
+    mm = lambda lhs, w, bias=None, t=False: rows(ordered(grouped_matmul, lhs, w, bias=bias, transpose_rhs=t))
+
+    # 2. Recompute the forward of the rows.
+    g, u = mm(xs, gate, gate_bias), mm(xs, up, up_bias)  # [R, Ip] float32
+    h32, act_vjp = jax.vjp(p.activation, g, u)
+    h = h32.astype(dtype)
+    y = mm(h, down, down_bias)  # [R, Hp]
+    # 3-4. Input gradients.
+    dh = mm(dy, down, t=True)  # [R, Ip]
+    dg, du = (rows(d) for d in act_vjp(dh))
+    dg_w, du_w = dg.astype(dtype), du.astype(dtype)
+    dxs = mm(dg_w, gate, t=True) + mm(du_w, up, t=True)  # [R, Hp]
+    unsort = lambda per_row: jnp.zeros(M, jnp.float32).at[jnp.where(valid, row_pair, M)].set(per_row, mode="drop")
+    d_weights = jnp.where(real, unsort(jnp.sum(ct[token] * y, -1)).reshape(T, K), 0.0)
+    d_in_scale = None
+    if scale is not None:
+        d_in_scale = jnp.where(real, unsort(jnp.sum(dxs * x32[token], -1)).reshape(T, K), 0.0)
+        dxs = dxs * scale[:, None]
+    dx = jnp.zeros((T + 1, Hp), jnp.float32).at[token].add(dxs)[:T, :H]
+    grads = dict(
+        x=dx.astype(p.x.dtype),
+        weights=d_weights.astype(p.weights.dtype),
+        in_scale=None if d_in_scale is None else d_in_scale.astype(p.in_scale.dtype),
+        gate=None,
+        up=None,
+        down=None,
+        gate_bias=None,
+        up_bias=None,
+        down_bias=None,
+    )
+    if not weight_grads:
+        return MoEGrads(**grads)
+    # 5. Weight gradients, the rows of each expert only.
+    tgmm = lambda a, b: ordered(lambda a, *args, **kw: tgmm_tiles(a, b, *args, **kw), a, num_experts=E)
+    grads |= dict(
+        gate=tgmm(xs, dg_w)[:, :H, :I].astype(dtype),
+        up=tgmm(xs, du_w)[:, :H, :I].astype(dtype),
+        down=tgmm(h, dy)[:, :I, :H].astype(dtype),
+    )
+    if p.gate_bias is not None:
+        row_expert = jnp.where(valid, jnp.repeat(tile_expert, TILE_ROWS), E)  # [R]; padding rows -> dropped
+        per_expert = lambda d, n, b: (
+            jnp.zeros((E, d.shape[1]), jnp.float32).at[row_expert].add(d, mode="drop")[:, :n].astype(b.dtype)
+        )
+        grads |= dict(
+            gate_bias=per_expert(dg, I, p.gate_bias),
+            up_bias=per_expert(du, I, p.up_bias),
+            down_bias=per_expert(dy32, H, p.down_bias),
+        )
+    return MoEGrads(**grads)
+
+
+@signature_of(moe_grouped_vjp)
+def moe_grouped_vjp_reference(
+    x,
+    gate,
+    up,
+    down,
+    indices,
+    weights,
+    in_scale,
+    activation,
+    gate_bias,
+    up_bias,
+    down_bias,
+    cotangent,
+    weight_grads,
+    **_,
+) -> MoEGrads:
+    """`moe_grouped_vjp` in plain jnp: `jax.vjp` of the dense reference (`dense_reference`)."""
+    fixed = dict(indices=indices, activation=activation)
+
+    def routed(x, gate, up, down, weights, in_scale, gate_bias, up_bias, down_bias):
+        args = dict(x=x, gate=gate, up=up, down=down, weights=weights, in_scale=in_scale)
+        return dense_reference(MoEProblem(**args, **fixed, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias))
+
+    primals = (x, gate, up, down, weights, in_scale, gate_bias, up_bias, down_bias)
+    _, vjp = jax.vjp(routed, *primals)
+    dx, dgate, dup, ddown, dw, ds, dbg, dbu, dbd = vjp(cotangent.astype(jnp.float32))
+    if not weight_grads:
+        dgate = dup = ddown = dbg = dbu = dbd = None
+    return MoEGrads(dx, dgate, dup, ddown, dw, ds, dbg, dbu, dbd)
