@@ -21,6 +21,7 @@ H and I are zero-padded to multiples of 64 (a copy of the weights, only for shap
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -31,7 +32,9 @@ from pallas_kernels.gpu_grouped import block_aligned_layout, block_aligned_rows
 from pallas_kernels.gpu_tile_kernels import TILE_ROWS
 from pallas_kernels.gpu_tiles import round_up
 from pallas_kernels.moe_op import MoEProblem, dense_reference, moe_op, signature_of
+from pallas_kernels.platform import interpret_by_platform, register_tpu_variant
 from pallas_kernels.quantized_weights import QuantizedWeight
+from pallas_kernels.tpu_backward import tpu_grouped_matmul, tpu_tgmm_tiles
 
 Array = jax.Array
 
@@ -57,6 +60,7 @@ def _pad_to(a: Array, axis: int, size: int) -> Array:
     return a if a.shape[axis] == size else jnp.pad(a, widths)
 
 
+@interpret_by_platform
 @moe_op
 def moe_grouped_vjp(
     p: MoEProblem, *, cotangent: Array, weight_grads: bool = True, interpret: bool | None = None
@@ -64,8 +68,31 @@ def moe_grouped_vjp(
     """`MoEGrads` of the routed sum (`MoEProblem`) for `cotangent [T, H]` (module docstring).
 
     weight_grads: False skips the weight and bias gradients (a frozen base). interpret: as for `moe_grouped`
-    (None: the lowering platform decides; TPU programs run megablox).
+    (None: the lowering platform decides; programs lowered for TPU run `moe_tpu_grouped_vjp`).
     """
+    mm = functools.partial(grouped_matmul, interpret=interpret)
+    tgmm = functools.partial(tgmm_tiles, interpret=interpret)
+    return _grouped_vjp(p, cotangent, weight_grads, mm, tgmm)
+
+
+@moe_op
+def moe_tpu_grouped_vjp(
+    p: MoEProblem,
+    *,
+    cotangent: Array,
+    weight_grads: bool = True,
+    device_kind: str | None = None,
+    interpret: bool = False,
+) -> MoEGrads:
+    """`moe_grouped_vjp` on Mosaic TPU: the same steps on megablox `gmm`/`tgmm` (tpu_backward.py)."""
+    mm = functools.partial(tpu_grouped_matmul, device_kind=device_kind, interpret=interpret)
+    tgmm = functools.partial(tpu_tgmm_tiles, device_kind=device_kind, interpret=interpret)
+    return _grouped_vjp(p, cotangent, weight_grads, mm, tgmm)
+
+
+def _grouped_vjp(p: MoEProblem, cotangent: Array, weight_grads: bool, matmul, tgmm_fn) -> MoEGrads:
+    """The module docstring's steps with the two products given: `matmul(lhs, w, tile_expert, num_tiles, *, bias,
+    transpose_rhs)` and `tgmm_fn(a, b, tile_expert, num_tiles, *, num_experts)`."""
     if isinstance(p.gate, QuantizedWeight):
         raise NotImplementedError("moe_grouped_vjp: reads dense weights (quantized bases have no backward kernel)")
     if cotangent.shape != p.x.shape:
@@ -96,17 +123,7 @@ def moe_grouped_vjp(
     rows = lambda a: jnp.where(valid[:, None], a, 0.0)  # rows of tiles past those in use are unwritten
 
     tables = (tile_expert, num_tiles)
-    # The kernels run one after another: each takes its input after the previous kernel's output. On a GPU they
-    # do anyway (each fills the persistent grid); the Mosaic GPU interpreter simulates one GPU per process and
-    # must not run two at once (pallas_kernels.platform).
-    last = [num_tiles]
-
-    def ordered(kernel, lhs, *args, **kwargs):
-        lhs, _ = jax.lax.optimization_barrier((lhs, last[0]))
-        last[0] = kernel(lhs, *args, *tables, interpret=interpret, **kwargs)
-        return last[0]
-
-    mm = lambda lhs, w, bias=None, t=False: rows(ordered(grouped_matmul, lhs, w, bias=bias, transpose_rhs=t))
+    mm = lambda lhs, w, bias=None, t=False: rows(matmul(lhs, w, *tables, bias=bias, transpose_rhs=t))
 
     # 2. Recompute the forward of the rows.
     g, u = mm(xs, gate, gate_bias), mm(xs, up, up_bias)  # [R, Ip] float32
@@ -139,7 +156,7 @@ def moe_grouped_vjp(
     if not weight_grads:
         return MoEGrads(**grads)
     # 5. Weight gradients, the rows of each expert only.
-    tgmm = lambda a, b: ordered(lambda a, *args, **kw: tgmm_tiles(a, b, *args, **kw), a, num_experts=E)
+    tgmm = lambda a, b: tgmm_fn(a, b, *tables, num_experts=E)
     grads |= dict(
         gate=tgmm(xs, dg_w)[:, :H, :I].astype(dtype),
         up=tgmm(xs, du_w)[:, :H, :I].astype(dtype),
@@ -188,3 +205,6 @@ def moe_grouped_vjp_reference(
     if not weight_grads:
         dgate = dup = ddown = dbg = dbu = dbd = None
     return MoEGrads(dx, dgate, dup, ddown, dw, ds, dbg, dbu, dbd)
+
+
+register_tpu_variant(moe_grouped_vjp, moe_tpu_grouped_vjp)

@@ -43,14 +43,23 @@ class _OpCall:
     def __repr__(self) -> str:  # what a printed jaxpr shows: kernel_by_platform[call=moe_decode]
         return self.op.__name__
 
-    def __call__(self, *arrays: Array, interpret: bool) -> Array:
+    def __call__(self, *arrays: Array, interpret: bool) -> list[Array]:
         args, kwargs = self._unflatten(arrays)
-        return self.op(*args, **kwargs, interpret=interpret)
+        return jax.tree.leaves(self.op(*args, **kwargs, interpret=interpret))
 
     def tpu(self, *arrays: Array, device_kind: str | None) -> Array:
         args, kwargs = self._unflatten(arrays)
         kwargs.pop("block_sizes", None)  # the GPU op's blocks; the TPU op picks its own per TPU generation
-        return _TPU_VARIANTS[self.op](*args, **kwargs, device_kind=device_kind, interpret=False)
+        return jax.tree.leaves(_TPU_VARIANTS[self.op](*args, **kwargs, device_kind=device_kind, interpret=False))
+
+    def out_tree(self, arrays: list[Array]) -> Any:
+        """The structure of the op's output (the primitive returns its leaves)."""
+
+        def compiled(*arrays):
+            args, kwargs = self._unflatten(arrays)
+            return self.op(*args, **kwargs, interpret=False)
+
+        return jax.tree.structure(jax.eval_shape(compiled, *arrays))
 
     def _unflatten(self, arrays):
         it = iter(arrays)
@@ -59,14 +68,14 @@ class _OpCall:
 
 
 kernel_by_platform_p = jex_core.Primitive("kernel_by_platform")
+kernel_by_platform_p.multiple_results = True  # the leaves of the op's output (one array, or a tuple of them)
 
 
 def _abstract_eval(*avals, call: _OpCall):
     # The output type of the compiled variant (it traces on any host; the interpreted one gives the same type),
     # traced from the input avals themselves so that it keeps what they carry (inside shard_map: the manual axes
     # the output varies over).
-    (out,) = jax.make_jaxpr(functools.partial(call, interpret=False))(*avals).out_avals
-    return out
+    return jax.make_jaxpr(functools.partial(call, interpret=False))(*avals).out_avals
 
 
 kernel_by_platform_p.def_abstract_eval(_abstract_eval)
@@ -81,7 +90,7 @@ kernel_by_platform_p.def_impl(lambda *arrays, call: _jitted(call)(*arrays))
 
 
 def _lower_compiled(ctx: mlir.LoweringRuleContext, *args, call: _OpCall):
-    return mlir.lower_fun(functools.partial(call, interpret=False), multiple_results=False)(ctx, *args)
+    return mlir.lower_fun(functools.partial(call, interpret=False), multiple_results=True)(ctx, *args)
 
 
 def interpret_params(interpret: bool) -> Any:
@@ -172,7 +181,7 @@ def _lower_tpu(ctx: mlir.LoweringRuleContext, *args, call: _OpCall):
     kinds = lowering_device_kinds(ctx.module_context.axis_context)
     device_kind = next(iter(kinds)) if kinds and len(kinds) == 1 else None
     tpu = functools.partial(call.tpu, device_kind=device_kind)
-    return mlir.lower_fun(tpu, multiple_results=False)(ctx, *args)
+    return mlir.lower_fun(tpu, multiple_results=True)(ctx, *args)
 
 
 mlir.register_lowering(kernel_by_platform_p, _lower_compiled, platform="cuda")
@@ -181,7 +190,8 @@ mlir.register_lowering(kernel_by_platform_p, _lower_tpu, platform="tpu")
 
 
 def interpret_by_platform(op: Callable[..., Array]) -> Callable[..., Array]:
-    """Decorate a kernel op `op(..., *, interpret: bool | None = None, ...) -> Array`: with `interpret=None` the
+    """Decorate a kernel op `op(..., *, interpret: bool | None = None, ...) -> Array` (or a tuple of arrays, a
+    NamedTuple: any pytree of arrays and None): with `interpret=None` the
     lowering platform decides (cuda: compiled, cpu: interpreted, tpu: the registered TPU variant); True/False are
     passed to `op` unchanged (the Mosaic GPU kernel)."""
 
@@ -193,7 +203,9 @@ def interpret_by_platform(op: Callable[..., Array]) -> Callable[..., Array]:
         is_array = tuple(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves)
         static = tuple(None if a else leaf for a, leaf in zip(is_array, leaves, strict=True))
         arrays = [leaf for a, leaf in zip(is_array, leaves, strict=True) if a]
-        return kernel_by_platform_p.bind(*arrays, call=_OpCall(op, treedef, is_array, static))
+        call = _OpCall(op, treedef, is_array, static)
+        outs = kernel_by_platform_p.bind(*arrays, call=call)
+        return jax.tree.unflatten(call.out_tree(arrays), outs)
 
     return wrapper
 
