@@ -19,8 +19,11 @@ lowered for CUDA holds the compiled kernels (also when lowered on a CPU-only hos
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
 from moejax.backends.xla import decode_fits
@@ -28,6 +31,7 @@ from moejax.experts import Slots
 from moejax.quantized import QuantizedExperts
 from moejax.weights import Experts, ExpertWeights
 from pallas_kernels.activations import GatedActivation
+from pallas_kernels.grouped_backward import moe_grouped_vjp
 from pallas_kernels.platform import choose_at_lowering
 from pallas_kernels.quantized_weights import QuantizedWeight
 
@@ -140,3 +144,42 @@ def on_validated_devices(kernel: str, weights: str, run_kernel, fallback, *opera
         return 0 if validated_on(kernel, weights, platform, device_kinds) else 1
 
     return choose_at_lowering(choose, (run_kernel, fallback), *operands)
+
+
+def pallas_vjp(
+    experts: Experts, x: Array, slots: Slots, act: GatedActivation, cotangent: Array, perturbed, *, block_rows=None
+):
+    """The kernel backends' backward (`moejax.backends.run_routed`'s VJP contract): cotangents of `(experts, x,
+    slots)` by `pallas_kernels.moe_grouped_vjp` (grouped kernels over the routed rows; megablox on TPU).
+
+    Dense stacked `ExpertWeights` only (`NotImplementedError` otherwise: quantized bases, adapters, per-expert
+    layouts take `routed_vjp`). Hash routing's repeated (row, expert) pairs are scaled each on its own, as the
+    forward kernels do.
+    """
+    del block_rows
+    if type(experts) is not ExpertWeights:
+        raise NotImplementedError(f"pallas backward: reads stacked dense ExpertWeights, got {type(experts).__name__}")
+    (gate, up, down, indices, weights, in_scale), kwargs = _kernel_args("pallas_vjp", experts, slots, act)
+    grads = moe_grouped_vjp(
+        x,
+        gate,
+        up,
+        down,
+        indices,
+        weights,
+        in_scale,
+        **kwargs,
+        cotangent=cotangent,
+        weight_grads=any(jax.tree.leaves(perturbed[0])),
+    )
+    d_experts = None
+    if grads.gate is not None:
+        fields = {f: getattr(grads, f) for f in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")}
+        d_experts = dataclasses.replace(experts, **{k: v for k, v in fields.items() if getattr(experts, k) is not None})
+    d_slots = Slots(
+        np.zeros(slots.indices.shape, jax.dtypes.float0),
+        grads.weights,
+        grads.in_scale,
+        None if slots.adapter is None else np.zeros(slots.adapter.shape, jax.dtypes.float0),
+    )
+    return d_experts, grads.x, d_slots
