@@ -99,6 +99,8 @@ def _grouped_vjp(p: MoEProblem, cotangent: Array, weight_grads: bool, matmul, tg
         raise ValueError(f"moe_grouped_vjp: cotangent must have x's shape {p.x.shape}, got {cotangent.shape=}")
     T, H, E, I, K = p.dims
     M, dtype = T * K, p.gate.dtype
+    if M == 0:  # no pairs: nothing reaches the experts
+        return _zero_grads(p, weight_grads)
     Hp, Ip = round_up(H, TILE_ROWS), round_up(I, TILE_ROWS)
     gate, up, down = (
         _pad_to(_pad_to(w, 1, a), 2, b) for w, a, b in ((p.gate, Hp, Ip), (p.up, Hp, Ip), (p.down, Ip, Hp))
@@ -173,6 +175,18 @@ def _grouped_vjp(p: MoEProblem, cotangent: Array, weight_grads: bool, matmul, tg
             down_bias=per_expert(dy32, H, p.down_bias),
         )
     return MoEGrads(**grads)
+
+
+def _zero_grads(p: MoEProblem, weight_grads: bool) -> MoEGrads:
+    zeros = lambda a: None if a is None else jnp.zeros(a.shape, a.dtype)
+    trained = lambda a: zeros(a) if weight_grads else None
+    return MoEGrads(
+        zeros(p.x),
+        *(trained(w) for w in (p.gate, p.up, p.down)),
+        zeros(p.weights),
+        zeros(p.in_scale),
+        *(trained(b) for b in p.biases),
+    )
 
 
 @signature_of(moe_grouped_vjp)

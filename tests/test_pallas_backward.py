@@ -108,14 +108,38 @@ def test_grouped_vjp_equals_the_dense_references_vjp(case, variant):
     assert (got.gate_bias is None) == (not bias) and (got.in_scale is None) == (not in_scale)
 
 
-def test_pallas_backend_gradients_run_its_own_backward():
+# (T, K, activation, biases, in_scale, dtype, tolerance): decode (pallas_decode) and grouped calls; without input
+# scales a row picks one expert in two slots (hash routing), each pair differentiated on its own. bf16: the products
+# take bf16 operands (dy, dg, du rounded like the forward's h) and accumulate in float32.
+BACKEND_CASES = [
+    (7, 2, "gpt_oss", True, True, "float32", 1e-4),
+    (1, 3, "silu_clamp_before", False, False, "float32", 1e-4),
+    (12, 2, "silu", False, False, "bfloat16", 3e-2),
+]
+
+
+def test_grouped_vjp_of_no_rows_is_zero():
+    experts = dense(E, 40, 24, bias=True)
+    args = (jnp.zeros((0, 40)), experts.gate, experts.up, experts.down, jnp.zeros((0, 2), jnp.int32), jnp.zeros((0, 2)))
+    biases = dict(gate_bias=experts.gate_bias, up_bias=experts.up_bias, down_bias=experts.down_bias)
+    got = grouped_backward.moe_grouped_vjp(
+        *args, **biases, activation=ACTIVATIONS["silu"], cotangent=jnp.zeros((0, 40))
+    )
+    assert got.x.shape == (0, 40) and got.gate.shape == experts.gate.shape and got.in_scale is None
+    assert not any(bool(jnp.any(g)) for g in got if g is not None)
+
+
+@pytest.mark.parametrize("case", BACKEND_CASES, ids=lambda c: f"T{c[0]}-{c[2]}-{c[5]}")
+def test_pallas_backend_gradients_run_its_own_backward(case):
     """`jax.grad` through `impl="pallas"` equals the reference's and its program holds the backward kernels."""
-    T, H, I, K = 7, 40, 24, 2
-    experts = dense(E, H, I, bias=True, seed=3)
-    x, slots, act = rows(T, H, 4), _slots(T, K, E, 5, in_scale=True), ACTIVATIONS["gpt_oss"]
+    T, K, act, bias, in_scale, dtype, tol = case
+    H, I = 40, 24
+    experts = dense(E, H, I, dtype=dtype, bias=bias, seed=3)
+    x, slots, act = rows(T, H, 4), _slots(T, K, E, 5, in_scale=in_scale), ACTIVATIONS[act]
     probe = rows(T, H, 6)
     got = _grads("pallas", experts, x, slots, act, probe)
-    _assert_close(got, _reference_grads(experts, x, slots, act, probe), 1e-4)
+    _assert_close(got, _reference_grads(experts, x, slots, act, probe), tol)
+    assert all(leaf.dtype == jnp.dtype(dtype) for leaf in jax.tree.leaves(got[0]))
 
     def loss(experts, x):
         return jnp.sum(backends.run_routed("pallas", experts, x, slots, act))
