@@ -21,6 +21,7 @@ Shapes must be multiples of the blocks (the callers pad).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -129,9 +130,9 @@ def _tgmm_kernel(first_tile_ref, expert_tiles_ref, a_t_ref, b_ref, out_ref, *, b
             b_spec = plgpu.BlockSpec((bs.block_k, bs.block_n), lambda s: (first + s, nb), delay_release=1)
         (acc,) = accumulate_tiles(bs, 1, steps, [a_spec, b_spec], [a_t_ref, b_ref], step_of)
 
-        @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((TILE_ROWS, bs.block_n), jnp.float32))
+        @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((TILE_ROWS, bs.block_n), out_ref.dtype))
         def _store(out_smem):
-            out_smem[...] = acc
+            out_smem[...] = acc.astype(out_smem.dtype)
             plgpu.commit_smem()
             dst = out_ref.at[e, pl.ds(kb * TILE_ROWS, TILE_ROWS), pl.ds(nb * bs.block_n, bs.block_n)]
             plgpu.copy_smem_to_gmem(out_smem, dst)
@@ -153,12 +154,14 @@ def tgmm_tiles(
     num_tiles: Array,
     *,
     num_experts: int,
+    out_dtype: Any = jnp.float32,
     block_sizes: TileBlockSizes | None = None,
     interpret: bool | None = None,
 ) -> Array:
-    """`dW [E, K, N]` float32: `dW[e] = Σ_{t < num_tiles, tile_expert[t] = e} a[tile t]ᵀ @ b[tile t]` for `a [R,
-    K]` and `b [R, N]` (R = N_tiles·64, one float dtype); zero for experts with no tile. K must be a multiple of
-    64 and N of `block_n`. The tiles of an expert must be consecutive (the block-aligned layout)."""
+    """`dW [E, K, N]` in `out_dtype`, summed in float32: `dW[e] = Σ_{t < num_tiles, tile_expert[t] = e} a[tile t]ᵀ
+    @ b[tile t]` for `a [R, K]` and `b [R, N]` (R = N_tiles·64, one float dtype); zero for experts with no tile. K
+    must be a multiple of 64 and N of `block_n`. The tiles of an expert must be consecutive (the block-aligned
+    layout)."""
     _check_tables("tgmm_tiles", a.shape[0], tile_expert, num_tiles)
     if a.ndim != 2 or b.ndim != 2 or b.shape[0] != a.shape[0] or a.dtype != b.dtype or a.dtype not in FLOAT_DTYPES:
         raise ValueError(
@@ -172,13 +175,11 @@ def tgmm_tiles(
     first_tile, tiles = expert_tile_ranges(tile_expert, num_tiles, num_experts)
     operands = (a.T, b.T if transposed else b)
     body = functools.partial(_tgmm_kernel, bs=bs, transposed=transposed)
-    return _launch(
-        body, (num_experts, K, N), jnp.float32, "moe_tgmm_tiles", bs, interpret, first_tile, tiles, *operands
-    )
+    return _launch(body, (num_experts, K, N), out_dtype, "moe_tgmm_tiles", bs, interpret, first_tile, tiles, *operands)
 
 
 @signature_of(tgmm_tiles)
-def tgmm_tiles_reference(a, b, tile_expert, num_tiles, num_experts, **_):
+def tgmm_tiles_reference(a, b, tile_expert, num_tiles, num_experts, out_dtype, **_):
     """Plain-jnp `tgmm_tiles`."""
     live = jnp.arange(tile_expert.shape[0]) < num_tiles[0]
     onehot = jax.nn.one_hot(jnp.where(live, tile_expert, num_experts), num_experts, dtype=jnp.float32)  # [tiles, E]
@@ -188,4 +189,4 @@ def tgmm_tiles_reference(a, b, tile_expert, num_tiles, num_experts, **_):
         b.reshape(-1, TILE_ROWS, b.shape[1]),
         preferred_element_type=jnp.float32,
     )
-    return jnp.einsum("te,tkn->ekn", onehot, ab)
+    return jnp.einsum("te,tkn->ekn", onehot, ab).astype(out_dtype)

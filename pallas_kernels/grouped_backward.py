@@ -12,8 +12,8 @@ where the program is lowered for TPU: tpu_backward.py), the rest is XLA over `[R
 3. `dh = dy · down_eᵀ`; `(dg, du)` = the activation's VJP (`jax.vjp` of `GatedActivation`, so every kind and
    clamp is differentiated as the forward computes it: the clamps pass no gradient past their limits).
 4. `dxs = dg · gate_eᵀ + du · up_eᵀ`; per row: `dx_t += s · dxs`, the input scale's gradient `<dxs, x_t>`.
-5. Weight gradients per expert, float32 (`tgmm`): `dgate_e = xs_eᵀ · dg_e`, `dup_e = xs_eᵀ · du_e`, `ddown_e = h_eᵀ ·
-   dy_e`; biases: sums of `dg`, `du`, `dy` over the expert's rows.
+5. Weight gradients per expert, summed in float32 and stored in the weight dtype (`tgmm`): `dgate_e = xs_eᵀ ·
+   dg_e`, `dup_e = xs_eᵀ · du_e`, `ddown_e = h_eᵀ · dy_e`; biases: sums of `dg`, `du`, `dy` over the expert's rows.
 
 The products take the weight dtype (dg, du and dy rounded to it, as the forward rounds h) and accumulate in float32.
 H and I are zero-padded to multiples of 64 (a copy of the weights, only for shapes that are not).
@@ -92,7 +92,7 @@ def moe_tpu_grouped_vjp(
 
 def _grouped_vjp(p: MoEProblem, cotangent: Array, weight_grads: bool, matmul, tgmm_fn) -> MoEGrads:
     """The module docstring's steps with the two products given: `matmul(lhs, w, tile_expert, num_tiles, *, bias,
-    transpose_rhs)` and `tgmm_fn(a, b, tile_expert, num_tiles, *, num_experts)`."""
+    transpose_rhs)` and `tgmm_fn(a, b, tile_expert, num_tiles, *, num_experts, out_dtype)`."""
     if isinstance(p.gate, QuantizedWeight):
         raise NotImplementedError("moe_grouped_vjp: reads dense weights (quantized bases have no backward kernel)")
     if cotangent.shape != p.x.shape:
@@ -158,11 +158,11 @@ def _grouped_vjp(p: MoEProblem, cotangent: Array, weight_grads: bool, matmul, tg
     if not weight_grads:
         return MoEGrads(**grads)
     # 5. Weight gradients, the rows of each expert only.
-    tgmm = lambda a, b: tgmm_fn(a, b, *tables, num_experts=E)
+    tgmm = lambda a, b: tgmm_fn(a, b, *tables, num_experts=E, out_dtype=dtype)  # float32 sums, stored in dtype
     grads |= dict(
-        gate=tgmm(xs, dg_w)[:, :H, :I].astype(dtype),
-        up=tgmm(xs, du_w)[:, :H, :I].astype(dtype),
-        down=tgmm(h, dy)[:, :I, :H].astype(dtype),
+        gate=tgmm(xs, dg_w)[:, :H, :I],
+        up=tgmm(xs, du_w)[:, :H, :I],
+        down=tgmm(h, dy)[:, :I, :H],
     )
     if p.gate_bias is not None:
         row_expert = jnp.where(valid, jnp.repeat(tile_expert, TILE_ROWS), E)  # [R]; padding rows -> dropped

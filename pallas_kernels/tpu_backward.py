@@ -11,6 +11,7 @@ the rows' transpose `aᵀ [K, R]` (activation-sized, in XLA), as megablox's own 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +77,7 @@ def tpu_tgmm_tiles(
     num_tiles: Array,
     *,
     num_experts: int,
+    out_dtype: Any = jnp.float32,
     device_kind: str | None = None,
     interpret: bool = False,
 ) -> Array:
@@ -87,7 +89,7 @@ def tpu_tgmm_tiles(
         a.T,
         b,
         tiles * TILE_ROWS,
-        preferred_element_type=jnp.float32,
+        preferred_element_type=out_dtype,
         tiling=(tm, block_along(K, 512, partial=True), tn),
         interpret=interpret_params(interpret),
     )

@@ -1,6 +1,7 @@
-"""The grouped backward kernels without a device: the Mosaic GPU ones lower for CUDA (sm_90a's custom calls), the
-megablox ones compile for TPU v5e and v6e (deviceless AOT: Mosaic TPU checks VMEM). Small-but-real shapes here;
-TPU compile needs the `tpu-compile` extra (skipped without it)."""
+"""The grouped backward kernels without a device: the Mosaic GPU ones lower for CUDA (their sm_90a compile is in
+test_cuda_compile.py), the megablox ones compile for TPU v5e and v6e (deviceless AOT: Mosaic TPU checks VMEM).
+Small-but-real shapes in the suite; `MOEJAX_TPU_COMPILE_ALL=1` adds Qwen3-30B-A3B's and gpt-oss-120b's layers at
+T = 2048 (about a minute each on 2 cores). TPU compile needs the `tpu-compile` extra (skipped without it)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-T, H, I, E, K = 256, 512, 256, 8, 2  # H and I multiples of the 64-wide tiles and of TPU's 128 lanes
+SMALL = (256, 512, 256, 8, 2)  # (T, H, I, E, K): H and I multiples of the 64-wide tiles and of TPU's 128 lanes
+FULL = {"qwen3-30b-a3b": (2048, 2048, 768, 128, 8), "gpt-oss-120b": (2048, 2880, 2880, 128, 4)}
 
 
 def _vjp(x, gate, up, down, indices, weights, cotangent, gate_bias, up_bias, down_bias):
@@ -27,7 +29,8 @@ def _vjp(x, gate, up, down, indices, weights, cotangent, gate_bias, up_bias, dow
     return moe_grouped_vjp(x, gate, up, down, indices, weights, activation=act, cotangent=cotangent, **biases)
 
 
-def _args(dtype, sharding=None):
+def _args(dims, dtype, sharding=None):
+    T, H, I, E, K = dims
     s = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
     weights = (s((E, H, I)), s((E, H, I)), s((E, I, H)))
     routing = (s((T, K), jnp.int32), s((T, K), jnp.float32), s((T, H), jnp.float32))
@@ -36,17 +39,24 @@ def _args(dtype, sharding=None):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_backward_lowers_for_cuda(dtype):
-    text = jax.jit(_vjp).trace(*_args(dtype)).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(_vjp).trace(*_args(SMALL, dtype)).lower(lowering_platforms=("cuda",)).as_text()
     for kernel in ("moe_grouped_matmul", "moe_tgmm_tiles"):
         assert kernel in text
 
 
+TPU_CASES = [("v5e", "small"), ("v6e", "small")]
+if os.environ.get("MOEJAX_TPU_COMPILE_ALL") == "1":
+    TPU_CASES += [(chip, layer) for chip in ("v5e", "v6e") for layer in FULL]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install -e ".[tpu-compile]"')
-@pytest.mark.parametrize("chip", ["v5e:2x2", "v6e:2x2"])
-def test_backward_compiles_for_tpu(chip):
+@pytest.mark.parametrize("chip,layer", TPU_CASES)
+def test_backward_compiles_for_tpu(chip, layer):
     from jax.experimental import topologies
 
-    device = topologies.get_topology_desc(topology_name=chip, platform="tpu").devices[0]
-    compiled = jax.jit(_vjp).lower(*_args(jnp.bfloat16, jax.sharding.SingleDeviceSharding(device))).compile()
+    device = topologies.get_topology_desc(topology_name=f"{chip}:2x2", platform="tpu").devices[0]
+    args = _args(SMALL if layer == "small" else FULL[layer], jnp.bfloat16, jax.sharding.SingleDeviceSharding(device))
+    compiled = jax.jit(_vjp).lower(*args).compile()
     # megablox: gmm for g, u, y (the recomputed forward), gmm transposed for dh and both halves of dx, 3 tgmm.
     assert compiled.as_text().count("tpu_custom_call") == 9
+    assert compiled.memory_analysis().temp_size_in_bytes < 16 * 2**30  # v5e's HBM
