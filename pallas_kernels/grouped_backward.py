@@ -41,7 +41,8 @@ Array = jax.Array
 
 class MoEGrads(NamedTuple):
     """Gradients of the routed sum w.r.t. each argument of `MoEProblem`, in its dtype; None for absent arguments
-    (biases, in_scale) and for the weights and biases when `weight_grads=False`."""
+    (biases, in_scale), for the weights and biases when `weight_grads=False` and for the output weights when
+    `out_weight_grads=False`."""
 
     x: Array  # [T, H]
     gate: Array | None  # [E, H, I]
@@ -63,16 +64,24 @@ def _pad_to(a: Array, axis: int, size: int) -> Array:
 @interpret_by_platform
 @moe_op
 def moe_grouped_vjp(
-    p: MoEProblem, *, cotangent: Array, weight_grads: bool = True, interpret: bool | None = None
+    p: MoEProblem,
+    *,
+    cotangent: Array,
+    weight_grads: bool = True,
+    out_weight_grads: bool = True,
+    interpret: bool | None = None,
 ) -> MoEGrads:
     """`MoEGrads` of the routed sum (`MoEProblem`) for `cotangent [T, H]` (module docstring).
 
-    weight_grads: False skips the weight and bias gradients (a frozen base). interpret: as for `moe_grouped`
-    (None: the lowering platform decides; programs lowered for TPU run `moe_tpu_grouped_vjp`).
+    weight_grads: False skips the weight and bias gradients (a frozen base).
+    out_weight_grads: False skips the output weights' gradient and the recomputed expert outputs it needs (routing
+      weights held).
+    interpret: as for `moe_grouped` (None: the lowering platform decides; programs lowered for TPU run
+      `moe_tpu_grouped_vjp`).
     """
     mm = functools.partial(grouped_matmul, interpret=interpret)
     tgmm = functools.partial(tgmm_tiles, interpret=interpret)
-    return _grouped_vjp(p, cotangent, weight_grads, mm, tgmm)
+    return _grouped_vjp(p, cotangent, weight_grads, out_weight_grads, mm, tgmm)
 
 
 @moe_op
@@ -81,16 +90,17 @@ def moe_tpu_grouped_vjp(
     *,
     cotangent: Array,
     weight_grads: bool = True,
+    out_weight_grads: bool = True,
     device_kind: str | None = None,
     interpret: bool = False,
 ) -> MoEGrads:
     """`moe_grouped_vjp` on Mosaic TPU: the same steps on megablox `gmm`/`tgmm` (tpu_backward.py)."""
     mm = functools.partial(tpu_grouped_matmul, device_kind=device_kind, interpret=interpret)
     tgmm = functools.partial(tpu_tgmm_tiles, device_kind=device_kind, interpret=interpret)
-    return _grouped_vjp(p, cotangent, weight_grads, mm, tgmm)
+    return _grouped_vjp(p, cotangent, weight_grads, out_weight_grads, mm, tgmm)
 
 
-def _grouped_vjp(p: MoEProblem, cotangent: Array, weight_grads: bool, matmul, tgmm_fn) -> MoEGrads:
+def _grouped_vjp(p: MoEProblem, cotangent: Array, weight_grads: bool, out_weight_grads: bool, matmul, tgmm_fn):
     """The module docstring's steps with the two products given: `matmul(lhs, w, tile_expert, num_tiles, *, bias,
     transpose_rhs)` and `tgmm_fn(a, b, tile_expert, num_tiles, *, num_experts, out_dtype)`."""
     if isinstance(p.gate, QuantizedWeight):
@@ -100,7 +110,7 @@ def _grouped_vjp(p: MoEProblem, cotangent: Array, weight_grads: bool, matmul, tg
     T, H, E, I, K = p.dims
     M, dtype = T * K, p.gate.dtype
     if M == 0:  # no pairs: nothing reaches the experts
-        return _zero_grads(p, weight_grads)
+        return _zero_grads(p, weight_grads, out_weight_grads)
     Hp, Ip = round_up(H, TILE_ROWS), round_up(I, TILE_ROWS)
     gate, up, down = (
         _pad_to(_pad_to(w, 1, a), 2, b) for w, a, b in ((p.gate, Hp, Ip), (p.up, Hp, Ip), (p.down, Ip, Hp))
@@ -131,14 +141,16 @@ def _grouped_vjp(p: MoEProblem, cotangent: Array, weight_grads: bool, matmul, tg
     g, u = mm(xs, gate, gate_bias), mm(xs, up, up_bias)  # [R, Ip] float32
     h32, act_vjp = jax.vjp(p.activation, g, u)
     h = h32.astype(dtype)
-    y = mm(h, down, down_bias)  # [R, Hp]
     # 3-4. Input gradients.
     dh = mm(dy, down, t=True)  # [R, Ip]
     dg, du = (rows(d) for d in act_vjp(dh))
     dg_w, du_w = dg.astype(dtype), du.astype(dtype)
     dxs = mm(dg_w, gate, t=True) + mm(du_w, up, t=True)  # [R, Hp]
     unsort = lambda per_row: jnp.zeros(M, jnp.float32).at[jnp.where(valid, row_pair, M)].set(per_row, mode="drop")
-    d_weights = jnp.where(real, unsort(jnp.sum(ct[token] * y, -1)).reshape(T, K), 0.0)
+    d_weights = None
+    if out_weight_grads:
+        y = mm(h, down, down_bias)  # [R, Hp]
+        d_weights = jnp.where(real, unsort(jnp.sum(ct[token] * y, -1)).reshape(T, K), 0.0).astype(p.weights.dtype)
     d_in_scale = None
     if scale is not None:
         d_in_scale = jnp.where(real, unsort(jnp.sum(dxs * x32[token], -1)).reshape(T, K), 0.0)
@@ -146,7 +158,7 @@ def _grouped_vjp(p: MoEProblem, cotangent: Array, weight_grads: bool, matmul, tg
     dx = jnp.zeros((T + 1, Hp), jnp.float32).at[token].add(dxs)[:T, :H]
     grads = dict(
         x=dx.astype(p.x.dtype),
-        weights=d_weights.astype(p.weights.dtype),
+        weights=d_weights,
         in_scale=None if d_in_scale is None else d_in_scale.astype(p.in_scale.dtype),
         gate=None,
         up=None,
@@ -177,13 +189,13 @@ def _grouped_vjp(p: MoEProblem, cotangent: Array, weight_grads: bool, matmul, tg
     return MoEGrads(**grads)
 
 
-def _zero_grads(p: MoEProblem, weight_grads: bool) -> MoEGrads:
+def _zero_grads(p: MoEProblem, weight_grads: bool, out_weight_grads: bool) -> MoEGrads:
     zeros = lambda a: None if a is None else jnp.zeros(a.shape, a.dtype)
     trained = lambda a: zeros(a) if weight_grads else None
     return MoEGrads(
         zeros(p.x),
         *(trained(w) for w in (p.gate, p.up, p.down)),
-        zeros(p.weights),
+        zeros(p.weights) if out_weight_grads else None,
         zeros(p.in_scale),
         *(trained(b) for b in p.biases),
     )
@@ -204,6 +216,7 @@ def moe_grouped_vjp_reference(
     down_bias,
     cotangent,
     weight_grads,
+    out_weight_grads,
     **_,
 ) -> MoEGrads:
     """`moe_grouped_vjp` in plain jnp: `jax.vjp` of the dense reference (`dense_reference`)."""
@@ -218,7 +231,7 @@ def moe_grouped_vjp_reference(
     dx, dgate, dup, ddown, dw, ds, dbg, dbu, dbd = vjp(cotangent.astype(jnp.float32))
     if not weight_grads:
         dgate = dup = ddown = dbg = dbu = dbd = None
-    return MoEGrads(dx, dgate, dup, ddown, dw, ds, dbg, dbu, dbd)
+    return MoEGrads(dx, dgate, dup, ddown, dw if out_weight_grads else None, ds, dbg, dbu, dbd)
 
 
 register_tpu_variant(moe_grouped_vjp, moe_tpu_grouped_vjp)

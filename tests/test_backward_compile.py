@@ -5,6 +5,7 @@ T = 2048 (about a minute each on 2 cores). TPU compile needs the `tpu-compile` e
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -23,10 +24,12 @@ SMALL = (256, 512, 256, 8, 2)  # (T, H, I, E, K): H and I multiples of the 64-wi
 FULL = {"qwen3-30b-a3b": (2048, 2048, 768, 128, 8), "gpt-oss-120b": (2048, 2880, 2880, 128, 4)}
 
 
-def _vjp(x, gate, up, down, indices, weights, cotangent, gate_bias, up_bias, down_bias):
+def _vjp(x, gate, up, down, indices, weights, cotangent, gate_bias, up_bias, down_bias, **options):
     act = GatedActivation("gpt_oss", limit=7.0)
     biases = dict(gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias)
-    return moe_grouped_vjp(x, gate, up, down, indices, weights, activation=act, cotangent=cotangent, **biases)
+    return moe_grouped_vjp(
+        x, gate, up, down, indices, weights, activation=act, cotangent=cotangent, **biases, **options
+    )
 
 
 def _args(dims, dtype, sharding=None):
@@ -39,9 +42,15 @@ def _args(dims, dtype, sharding=None):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_backward_lowers_for_cuda(dtype):
-    text = jax.jit(_vjp).trace(*_args(SMALL, dtype)).lower(lowering_platforms=("cuda",)).as_text()
+    lower = lambda f: jax.jit(f).trace(*_args(SMALL, dtype)).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower(_vjp)
     for kernel in ("moe_grouped_matmul", "moe_tgmm_tiles"):
         assert kernel in text
+    # g, u, y recomputed; dh and both halves of dx; 3 tgmm.
+    assert text.count("mosaic_gpu_v2") == 9
+    # Held routing weights (routing replay) and a frozen base: no y, no weight gradients.
+    held = lower(functools.partial(_vjp, out_weight_grads=False, weight_grads=False))
+    assert "moe_tgmm_tiles" not in held and held.count("mosaic_gpu_v2") == 5
 
 
 TPU_CASES = [("v5e", "small"), ("v6e", "small")]

@@ -171,6 +171,7 @@ def pallas_vjp(
         **kwargs,
         cotangent=cotangent,
         weight_grads=any(jax.tree.leaves(perturbed[0])),
+        out_weight_grads=bool(perturbed[2].out_weight),
     )
     d_experts = None
     if grads.gate is not None:
