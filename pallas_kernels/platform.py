@@ -235,7 +235,8 @@ class _Choice:
 
 
 for _p in (choose_at_lowering_p, choose_by_platform_p):
-    _p.def_abstract_eval(lambda *avals, choice: jax.make_jaxpr(choice.branches[0])(*avals).out_avals[0])
+    _p.multiple_results = True  # the leaves of the branches' output (one array, or a pytree of them)
+    _p.def_abstract_eval(lambda *avals, choice: jax.make_jaxpr(choice.branches[0])(*avals).out_avals)
     _p.def_impl(lambda *arrays, choice: jax.jit(lambda *a: choice.primitive.bind(*a, choice=choice))(*arrays))
 
 
@@ -258,7 +259,7 @@ def _lower_choice(ctx: mlir.LoweringRuleContext, *args, choice: _Choice):
     if len(platforms) == 1:
         kinds = None if choice.by_platform else lowering_device_kinds(ctx.module_context.axis_context)
         index = choice.choose(platforms[0], kinds)
-    return mlir.lower_fun(choice.branches[index], multiple_results=False)(ctx, *args)
+    return mlir.lower_fun(choice.branches[index], multiple_results=True)(ctx, *args)
 
 
 mlir.register_lowering(choose_at_lowering_p, _lower_choice)
@@ -277,7 +278,8 @@ def _batch_choice(args, dims, *, choice: _Choice):
             full[i] = element
         return choice.primitive.bind(*full, choice=choice)
 
-    return jax.lax.map(one, batched), 0
+    outs = jax.lax.map(one, batched)
+    return outs, [0] * len(outs)
 
 
 batching.primitive_batchers[choose_at_lowering_p] = _batch_choice
@@ -299,14 +301,22 @@ def choose_at_lowering(
 
     Args:
       choose: `(lowering platform, device kinds or None) -> index into branches`.
-      branches: functions of `operands` with the same output type (one array); each must trace on any host, and
-        none may carry effects (the lowering keeps one branch only). The first one also gives the output type, so
-        put the cheapest to trace first.
+      branches: functions of `operands` with the same output type (an array or a pytree of arrays); each must
+        trace on any host, and none may carry effects (the lowering keeps one branch only). The first one also
+        gives the output type, so put the cheapest to trace first.
       operands: pytrees of arrays.
       by_platform: `choose` reads the platform only (its device kinds are None): the program's devices are not
         asked for, so the program need not hold one mesh throughout.
     """
     leaves, treedef = jax.tree.flatten(operands)
-    unflat = lambda fn: lambda *leaves: fn(*jax.tree.unflatten(treedef, leaves))
+
+    def unflat(fn):
+        def branch(*leaves):
+            return jax.tree.leaves(fn(*jax.tree.unflatten(treedef, leaves)))
+
+        branch.__name__ = getattr(fn, "__name__", "branch")  # a printed jaxpr's choice=<name>|<name>
+        return branch
+
     choice = _Choice(tuple(unflat(b) for b in branches), choose, by_platform)
-    return choice.primitive.bind(*leaves, choice=choice)
+    out_tree = jax.tree.structure(jax.eval_shape(branches[0], *operands))
+    return jax.tree.unflatten(out_tree, choice.primitive.bind(*leaves, choice=choice))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -69,3 +70,33 @@ def test_backward_compiles_for_tpu(chip, layer):
     # megablox: gmm for g, u, y (the recomputed forward), gmm transposed for dh and both halves of dx, 3 tgmm.
     assert compiled.as_text().count("tpu_custom_call") == 9
     assert compiled.memory_analysis().temp_size_in_bytes < 16 * 2**30  # v5e's HBM
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install -e ".[tpu-compile]"')
+def test_auto_backward_runs_the_kernels_only_on_a_validated_chip(tmp_path, monkeypatch):
+    """With a validated row for v5e only, `jax.grad` through impl="auto" lowered for v5e calls the backward's
+    megablox kernels (6 gmm, 3 tgmm; the forward's value is not needed), for v6e none (`routed_vjp`)."""
+    import json
+
+    from jax.experimental import topologies
+
+    import moejax
+    import pallas_kernels
+
+    rows = [{"kernel": "moe_grouped", "device_kind": "TPU v5 lite", "jax_version": jax.__version__}]
+    (tmp_path / "validated.json").write_text(json.dumps(rows))
+    validated = functools.partial(pallas_kernels.is_validated, path=tmp_path / "validated.json")
+    monkeypatch.setattr(pallas_kernels, "is_validated", validated)
+    cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=8, top_k=2, hidden_size=512, intermediate_size=256)
+    counts = {}
+    for chip in ("v5e", "v6e"):
+        device = topologies.get_topology_desc(topology_name=f"{chip}:2x2", platform="tpu").devices[0]
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        place = lambda a, sharding=sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+        init = lambda k: moejax.init_params(cfg, k, jnp.bfloat16, layout="stacked")
+        params = jax.tree.map(place, jax.eval_shape(init, jax.random.key(0)))
+        x = place(jax.ShapeDtypeStruct((256, 512), jnp.bfloat16))
+        loss = lambda p, x: jnp.sum(moejax.moe_forward(p, x, cfg, impl="auto").astype(jnp.float32))
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).as_text()
+        counts[chip] = len(re.findall(r"call @t?gmm", text))
+    assert counts == {"v5e": 9, "v6e": 0}, counts

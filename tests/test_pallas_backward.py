@@ -161,3 +161,16 @@ def test_pallas_backend_hands_quantized_bases_to_the_routed_backward():
     loss = lambda impl: lambda x: jnp.sum(backends.run_routed(impl, q.experts, x, slots, act))
     assert "moe_grouped_vjp" not in str(jax.make_jaxpr(jax.grad(loss("pallas")))(x))
     np.testing.assert_allclose(jax.grad(loss("pallas"))(x), jax.grad(loss("reference"))(x), rtol=2e-2, atol=2e-2)
+
+
+def test_auto_differentiates_like_its_forward_chooses(monkeypatch):
+    """Under "auto" with a kernel candidate, the backward is chosen while lowering as the forward is: the kernels'
+    where they are validated for the devices, `routed_vjp` elsewhere (here: a CPU program)."""
+    monkeypatch.setattr(backends, "kernel_validated", lambda name: True)
+    T, H, I, K = 12, 40, 24, 2
+    experts = dense(E, H, I, bias=True, seed=11)
+    x, slots, act, probe = rows(T, H, 12), _slots(T, K, E, 13), ACTIVATIONS["silu"], rows(T, H, 14)
+    assert backends.candidates("auto", T, K)[0] == "pallas_grouped"
+    _assert_close(_grads("auto", experts, x, slots, act, probe), _reference_grads(experts, x, slots, act, probe), 2e-4)
+    loss = lambda e, x: jnp.sum(backends.run_routed("auto", e, x, slots, act) * probe)
+    assert "pallas_vjp|routed_vjp" in str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(experts, x))

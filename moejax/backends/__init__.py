@@ -221,6 +221,8 @@ def run_routed(
         if isinstance(cotangent, SymbolicZero):
             return None, None, None
         backward = BACKENDS[names[0]].backward if len(names) == 1 else None
+        if impl == "auto" and names[0] in _KERNELS:  # the kernel's backward where its forward runs (at lowering)
+            backward = functools.partial(pallas.validated_vjp, _KERNELS[names[0]])
         if backward is not None:
             try:
                 return backward(*residuals, act, cotangent, perturbed[-1], block_rows=block_rows)

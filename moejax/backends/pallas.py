@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from moejax.backends.backward import routed_vjp
 from moejax.backends.xla import decode_fits
 from moejax.experts import Slots
 from moejax.quantized import QuantizedExperts
@@ -184,3 +185,57 @@ def pallas_vjp(
         None if slots.adapter is None else np.zeros(slots.adapter.shape, jax.dtypes.float0),
     )
     return d_experts, grads.x, d_slots
+
+
+def validated_vjp(
+    kernel: str,
+    experts: Experts,
+    x: Array,
+    slots: Slots,
+    act: GatedActivation,
+    cotangent: Array,
+    perturbed,
+    *,
+    block_rows=None,
+):
+    """The backward of kernel backend `kernel` under `impl="auto"`: `pallas_vjp` where the program is lowered for
+    devices on which `kernel` is validated (the forward's own choice, `on_validated_devices`), else `routed_vjp`;
+    decided while lowering. Same contract as `pallas_vjp`."""
+    if type(experts) is not ExpertWeights:
+        raise NotImplementedError(f"pallas backward: reads stacked dense ExpertWeights, got {type(experts).__name__}")
+    primals = (experts, x, slots)
+    flags = jax.tree.leaves(perturbed)
+    leaves = jax.tree.leaves(primals)
+    wanted = [f and jnp.issubdtype(leaf.dtype, jnp.inexact) for f, leaf in zip(flags, leaves, strict=True)]
+
+    def perturbed_only(backward):
+        """`backward`'s gradients of the differentiated float leaves, as a list (the branches' common type)."""
+
+        def run(experts, x, slots, cotangent):
+            grads = backward(experts, x, slots, act, cotangent, perturbed, block_rows=block_rows)
+            per_arg = [
+                [None] * len(jax.tree.leaves(arg)) if g is None else jax.tree.structure(arg).flatten_up_to(g)
+                for arg, g in zip((experts, x, slots), grads, strict=True)
+            ]
+            flat = [g for arg in per_arg for g in arg]
+            return [
+                jnp.zeros(leaf.shape, leaf.dtype) if g is None else jnp.asarray(g).astype(leaf.dtype)
+                for g, leaf, w in zip(flat, jax.tree.leaves((experts, x, slots)), wanted, strict=True)
+                if w
+            ]
+
+        run.__name__ = backward.__name__  # what a printed jaxpr shows: choose_at_lowering[choice=pallas_vjp|routed_vjp]
+        return run
+
+    def choose(platform: str, device_kinds: frozenset[str] | None) -> int:
+        return 0 if validated_on(kernel, "dense", platform, device_kinds) else 1
+
+    branches = (perturbed_only(pallas_vjp), perturbed_only(routed_vjp))
+    chosen = iter(choose_at_lowering(choose, branches, experts, x, slots, cotangent))
+    full = [
+        next(chosen)
+        if w
+        else (None if jnp.issubdtype(leaf.dtype, jnp.inexact) else np.zeros(leaf.shape, jax.dtypes.float0))
+        for leaf, w in zip(leaves, wanted, strict=True)
+    ]
+    return tuple(jax.tree.unflatten(jax.tree.structure(primals), full))
