@@ -74,7 +74,7 @@ def test_backward_compiles_for_tpu(chip, layer):
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install -e ".[tpu-compile]"')
 def test_auto_backward_runs_the_kernels_only_on_a_validated_chip(tmp_path, monkeypatch):
-    """With a validated row for v5e only, `jax.grad` through impl="auto" lowered for v5e calls the backward's
+    """With validated rows for v5e only, `jax.grad` through impl="auto" lowered for v5e calls the backward's
     megablox kernels (6 gmm, 3 tgmm; the forward's value is not needed), for v6e none (`routed_vjp`)."""
     import json
 
@@ -83,7 +83,10 @@ def test_auto_backward_runs_the_kernels_only_on_a_validated_chip(tmp_path, monke
     import moejax
     import pallas_kernels
 
-    rows = [{"kernel": "moe_grouped", "device_kind": "TPU v5 lite", "jax_version": jax.__version__}]
+    rows = [
+        {"kernel": kernel, "device_kind": "TPU v5 lite", "jax_version": jax.__version__}
+        for kernel in ("moe_grouped", "moe_grouped_vjp")
+    ]
     (tmp_path / "validated.json").write_text(json.dumps(rows))
     validated = functools.partial(pallas_kernels.is_validated, path=tmp_path / "validated.json")
     monkeypatch.setattr(pallas_kernels, "is_validated", validated)

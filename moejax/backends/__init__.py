@@ -17,8 +17,9 @@ the platform and devices the program is compiled for, never the host's default b
 fail, one error lists each one's reason.
 
 Gradients: `run_routed` wraps every backend but the reference and ragged in a `jax.custom_vjp` whose backward is
-the backend's own where it has one and is the only candidate (the Pallas kernels: `pallas.pallas_vjp`, grouped
-backward kernels; dense stacked weights), else `moejax.backends.backward.routed_vjp`, a grouped backward over
+the backend's own where it has one (the Pallas kernels: `pallas.pallas_vjp`, grouped backward kernels, dense
+stacked weights; under "auto" only on devices validated.json lists them for: `pallas.validated_vjp`),
+else `moejax.backends.backward.routed_vjp`, a grouped backward over
 the routed (row, expert) pairs only (the plans' loops with device trip counts are not reverse-differentiable):
 gradients w.r.t. x, the slots' weights and scales and the experts (adapters of a wrapper included) equal the
 reference's up to float32 summation order, at a cost proportional to T·K. The reference and ragged
@@ -62,8 +63,8 @@ class Backend:
     run: RoutedFn
     decode: bool = False
     chooser: Callable[..., Array] | None = None
-    # Its own VJP, `routed_vjp`'s signature, run where it is the only candidate (an explicit `impl=`); raising
-    # NotImplementedError for a call it cannot serve hands that call to `routed_vjp`.
+    # Its own VJP, `routed_vjp`'s signature, run where it is the only candidate (an explicit `impl=`; a kernel
+    # backend's under "auto": `pallas.validated_vjp`); NotImplementedError for a call hands it to `routed_vjp`.
     backward: Callable[..., tuple] | None = None
 
 
@@ -221,8 +222,8 @@ def run_routed(
         if isinstance(cotangent, SymbolicZero):
             return None, None, None
         backward = BACKENDS[names[0]].backward if len(names) == 1 else None
-        if impl == "auto" and names[0] in _KERNELS:  # the kernel's backward where its forward runs (at lowering)
-            backward = functools.partial(pallas.validated_vjp, _KERNELS[names[0]])
+        if impl == "auto" and names[0] in _KERNELS:  # the backward kernels where validated (chosen at lowering)
+            backward = pallas.validated_vjp
         if backward is not None:
             try:
                 return backward(*residuals, act, cotangent, perturbed[-1], block_rows=block_rows)

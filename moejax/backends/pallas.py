@@ -15,6 +15,11 @@ The kernels are called with `interpret=None`: the platform the program is lowere
 lowered for CUDA holds the compiled kernels (also when lowered on a CPU-only host: ahead-of-time compilation,
 `jax.export`) and one lowered for CPU runs them under the Mosaic GPU interpreter (slow: for tests). See
 `pallas_kernels.platform`.
+
+Gradients (`pallas_vjp`, the backends' VJP in `moejax.backends.run_routed`): `pallas_kernels.moe_grouped_vjp`, grouped
+kernels over the routed rows (Mosaic GPU; megablox `gmm`/`tgmm` on TPU), for dense stacked weights; quantized
+bases and adapters take `routed_vjp`. Under `impl="auto"`, `validated_vjp` runs them where validated.json lists them
+("moe_grouped_vjp") for the devices, chosen while lowering.
 """
 
 from __future__ import annotations
@@ -188,7 +193,6 @@ def pallas_vjp(
 
 
 def validated_vjp(
-    kernel: str,
     experts: Experts,
     x: Array,
     slots: Slots,
@@ -198,9 +202,9 @@ def validated_vjp(
     *,
     block_rows=None,
 ):
-    """The backward of kernel backend `kernel` under `impl="auto"`: `pallas_vjp` where the program is lowered for
-    devices on which `kernel` is validated (the forward's own choice, `on_validated_devices`), else `routed_vjp`;
-    decided while lowering. Same contract as `pallas_vjp`."""
+    """The kernel backends' backward under `impl="auto"`: `pallas_vjp` where the program is lowered for devices on
+    which validated.json lists "moe_grouped_vjp" (the backward kernels, checked on a device like the forward's),
+    else `routed_vjp`; decided while lowering (`on_validated_devices`). Same contract as `pallas_vjp`."""
     if type(experts) is not ExpertWeights:
         raise NotImplementedError(f"pallas backward: reads stacked dense ExpertWeights, got {type(experts).__name__}")
     primals = (experts, x, slots)
@@ -228,7 +232,7 @@ def validated_vjp(
         return run
 
     def choose(platform: str, device_kinds: frozenset[str] | None) -> int:
-        return 0 if validated_on(kernel, "dense", platform, device_kinds) else 1
+        return 0 if validated_on("moe_grouped_vjp", "dense", platform, device_kinds) else 1
 
     branches = (perturbed_only(pallas_vjp), perturbed_only(routed_vjp))
     chosen = iter(choose_at_lowering(choose, branches, experts, x, slots, cotangent))
