@@ -52,14 +52,10 @@ class _OpCall:
         kwargs.pop("block_sizes", None)  # the GPU op's blocks; the TPU op picks its own per TPU generation
         return jax.tree.leaves(_TPU_VARIANTS[self.op](*args, **kwargs, device_kind=device_kind, interpret=False))
 
-    def out_tree(self, arrays: list[Array]) -> Any:
-        """The structure of the op's output (the primitive returns its leaves)."""
-
-        def compiled(*arrays):
-            args, kwargs = self._unflatten(arrays)
-            return self.op(*args, **kwargs, interpret=False)
-
-        return jax.tree.structure(jax.eval_shape(compiled, *arrays))
+    def compiled(self, *arrays: Array) -> Any:
+        """The op's output (a pytree), compiled variant."""
+        args, kwargs = self._unflatten(arrays)
+        return self.op(*args, **kwargs, interpret=False)
 
     def _unflatten(self, arrays):
         it = iter(arrays)
@@ -71,11 +67,17 @@ kernel_by_platform_p = jex_core.Primitive("kernel_by_platform")
 kernel_by_platform_p.multiple_results = True  # the leaves of the op's output (one array, or a tuple of them)
 
 
+@functools.lru_cache(maxsize=1024)
+def _output_type(call: _OpCall, avals: tuple[Any, ...]) -> tuple[Any, list]:
+    """`(pytree structure, leaves' avals)` of the op's output: the compiled variant (it traces on any host; the
+    interpreted one gives the same type), traced from the input avals themselves so that it keeps what they carry
+    (inside shard_map: the manual axes the output varies over). Traced once for the wrapper and the primitive."""
+    closed, shape = jax.make_jaxpr(call.compiled, return_shape=True)(*avals)
+    return jax.tree.structure(shape), closed.out_avals
+
+
 def _abstract_eval(*avals, call: _OpCall):
-    # The output type of the compiled variant (it traces on any host; the interpreted one gives the same type),
-    # traced from the input avals themselves so that it keeps what they carry (inside shard_map: the manual axes
-    # the output varies over).
-    return jax.make_jaxpr(functools.partial(call, interpret=False))(*avals).out_avals
+    return _output_type(call, avals)[1]
 
 
 kernel_by_platform_p.def_abstract_eval(_abstract_eval)
@@ -205,7 +207,7 @@ def interpret_by_platform(op: Callable[..., Array]) -> Callable[..., Array]:
         arrays = [leaf for a, leaf in zip(is_array, leaves, strict=True) if a]
         call = _OpCall(op, treedef, is_array, static)
         outs = kernel_by_platform_p.bind(*arrays, call=call)
-        return jax.tree.unflatten(call.out_tree(arrays), outs)
+        return jax.tree.unflatten(_output_type(call, tuple(jax.typeof(a) for a in arrays))[0], outs)
 
     return wrapper
 

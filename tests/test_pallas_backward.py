@@ -174,3 +174,15 @@ def test_auto_differentiates_like_its_forward_chooses(monkeypatch):
     _assert_close(_grads("auto", experts, x, slots, act, probe), _reference_grads(experts, x, slots, act, probe), 2e-4)
     loss = lambda e, x: jnp.sum(backends.run_routed("auto", e, x, slots, act) * probe)
     assert "pallas_vjp|routed_vjp" in str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(experts, x))
+
+
+def test_kernels_and_references_share_signatures():
+    import inspect
+
+    pairs = [
+        (gpu_backward.grouped_matmul, gpu_backward.grouped_matmul_reference),
+        (gpu_backward.tgmm_tiles, gpu_backward.tgmm_tiles_reference),
+        (grouped_backward.moe_grouped_vjp, grouped_backward.moe_grouped_vjp_reference),
+    ]
+    for kernel, reference in pairs:
+        assert inspect.signature(kernel) == inspect.signature(reference), kernel.__name__
