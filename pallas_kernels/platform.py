@@ -43,14 +43,19 @@ class _OpCall:
     def __repr__(self) -> str:  # what a printed jaxpr shows: kernel_by_platform[call=moe_decode]
         return self.op.__name__
 
-    def __call__(self, *arrays: Array, interpret: bool) -> Array:
+    def __call__(self, *arrays: Array, interpret: bool) -> list[Array]:
         args, kwargs = self._unflatten(arrays)
-        return self.op(*args, **kwargs, interpret=interpret)
+        return jax.tree.leaves(self.op(*args, **kwargs, interpret=interpret))
 
     def tpu(self, *arrays: Array, device_kind: str | None) -> Array:
         args, kwargs = self._unflatten(arrays)
         kwargs.pop("block_sizes", None)  # the GPU op's blocks; the TPU op picks its own per TPU generation
-        return _TPU_VARIANTS[self.op](*args, **kwargs, device_kind=device_kind, interpret=False)
+        return jax.tree.leaves(_TPU_VARIANTS[self.op](*args, **kwargs, device_kind=device_kind, interpret=False))
+
+    def compiled(self, *arrays: Array) -> Any:
+        """The op's output (a pytree), compiled variant."""
+        args, kwargs = self._unflatten(arrays)
+        return self.op(*args, **kwargs, interpret=False)
 
     def _unflatten(self, arrays):
         it = iter(arrays)
@@ -59,14 +64,20 @@ class _OpCall:
 
 
 kernel_by_platform_p = jex_core.Primitive("kernel_by_platform")
+kernel_by_platform_p.multiple_results = True  # the leaves of the op's output (one array, or a tuple of them)
+
+
+@functools.lru_cache(maxsize=1024)
+def _output_type(call: _OpCall, avals: tuple[Any, ...]) -> tuple[Any, list]:
+    """`(pytree structure, leaves' avals)` of the op's output: the compiled variant (it traces on any host; the
+    interpreted one gives the same type), traced from the input avals themselves so that it keeps what they carry
+    (inside shard_map: the manual axes the output varies over). Traced once for the wrapper and the primitive."""
+    closed, shape = jax.make_jaxpr(call.compiled, return_shape=True)(*avals)
+    return jax.tree.structure(shape), closed.out_avals
 
 
 def _abstract_eval(*avals, call: _OpCall):
-    # The output type of the compiled variant (it traces on any host; the interpreted one gives the same type),
-    # traced from the input avals themselves so that it keeps what they carry (inside shard_map: the manual axes
-    # the output varies over).
-    (out,) = jax.make_jaxpr(functools.partial(call, interpret=False))(*avals).out_avals
-    return out
+    return _output_type(call, avals)[1]
 
 
 kernel_by_platform_p.def_abstract_eval(_abstract_eval)
@@ -81,7 +92,7 @@ kernel_by_platform_p.def_impl(lambda *arrays, call: _jitted(call)(*arrays))
 
 
 def _lower_compiled(ctx: mlir.LoweringRuleContext, *args, call: _OpCall):
-    return mlir.lower_fun(functools.partial(call, interpret=False), multiple_results=False)(ctx, *args)
+    return mlir.lower_fun(functools.partial(call, interpret=False), multiple_results=True)(ctx, *args)
 
 
 def interpret_params(interpret: bool) -> Any:
@@ -172,7 +183,7 @@ def _lower_tpu(ctx: mlir.LoweringRuleContext, *args, call: _OpCall):
     kinds = lowering_device_kinds(ctx.module_context.axis_context)
     device_kind = next(iter(kinds)) if kinds and len(kinds) == 1 else None
     tpu = functools.partial(call.tpu, device_kind=device_kind)
-    return mlir.lower_fun(tpu, multiple_results=False)(ctx, *args)
+    return mlir.lower_fun(tpu, multiple_results=True)(ctx, *args)
 
 
 mlir.register_lowering(kernel_by_platform_p, _lower_compiled, platform="cuda")
@@ -181,7 +192,8 @@ mlir.register_lowering(kernel_by_platform_p, _lower_tpu, platform="tpu")
 
 
 def interpret_by_platform(op: Callable[..., Array]) -> Callable[..., Array]:
-    """Decorate a kernel op `op(..., *, interpret: bool | None = None, ...) -> Array`: with `interpret=None` the
+    """Decorate a kernel op `op(..., *, interpret: bool | None = None, ...) -> Array` (or a tuple of arrays, a
+    NamedTuple: any pytree of arrays and None): with `interpret=None` the
     lowering platform decides (cuda: compiled, cpu: interpreted, tpu: the registered TPU variant); True/False are
     passed to `op` unchanged (the Mosaic GPU kernel)."""
 
@@ -193,7 +205,9 @@ def interpret_by_platform(op: Callable[..., Array]) -> Callable[..., Array]:
         is_array = tuple(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves)
         static = tuple(None if a else leaf for a, leaf in zip(is_array, leaves, strict=True))
         arrays = [leaf for a, leaf in zip(is_array, leaves, strict=True) if a]
-        return kernel_by_platform_p.bind(*arrays, call=_OpCall(op, treedef, is_array, static))
+        call = _OpCall(op, treedef, is_array, static)
+        outs = kernel_by_platform_p.bind(*arrays, call=call)
+        return jax.tree.unflatten(_output_type(call, tuple(jax.typeof(a) for a in arrays))[0], outs)
 
     return wrapper
 
@@ -223,7 +237,8 @@ class _Choice:
 
 
 for _p in (choose_at_lowering_p, choose_by_platform_p):
-    _p.def_abstract_eval(lambda *avals, choice: jax.make_jaxpr(choice.branches[0])(*avals).out_avals[0])
+    _p.multiple_results = True  # the leaves of the branches' output (one array, or a pytree of them)
+    _p.def_abstract_eval(lambda *avals, choice: jax.make_jaxpr(choice.branches[0])(*avals).out_avals)
     _p.def_impl(lambda *arrays, choice: jax.jit(lambda *a: choice.primitive.bind(*a, choice=choice))(*arrays))
 
 
@@ -246,7 +261,7 @@ def _lower_choice(ctx: mlir.LoweringRuleContext, *args, choice: _Choice):
     if len(platforms) == 1:
         kinds = None if choice.by_platform else lowering_device_kinds(ctx.module_context.axis_context)
         index = choice.choose(platforms[0], kinds)
-    return mlir.lower_fun(choice.branches[index], multiple_results=False)(ctx, *args)
+    return mlir.lower_fun(choice.branches[index], multiple_results=True)(ctx, *args)
 
 
 mlir.register_lowering(choose_at_lowering_p, _lower_choice)
@@ -265,7 +280,8 @@ def _batch_choice(args, dims, *, choice: _Choice):
             full[i] = element
         return choice.primitive.bind(*full, choice=choice)
 
-    return jax.lax.map(one, batched), 0
+    outs = jax.lax.map(one, batched)
+    return outs, [0] * len(outs)
 
 
 batching.primitive_batchers[choose_at_lowering_p] = _batch_choice
@@ -287,14 +303,22 @@ def choose_at_lowering(
 
     Args:
       choose: `(lowering platform, device kinds or None) -> index into branches`.
-      branches: functions of `operands` with the same output type (one array); each must trace on any host, and
-        none may carry effects (the lowering keeps one branch only). The first one also gives the output type, so
-        put the cheapest to trace first.
+      branches: functions of `operands` with the same output type (an array or a pytree of arrays); each must
+        trace on any host, and none may carry effects (the lowering keeps one branch only). The first one also
+        gives the output type, so put the cheapest to trace first.
       operands: pytrees of arrays.
       by_platform: `choose` reads the platform only (its device kinds are None): the program's devices are not
         asked for, so the program need not hold one mesh throughout.
     """
     leaves, treedef = jax.tree.flatten(operands)
-    unflat = lambda fn: lambda *leaves: fn(*jax.tree.unflatten(treedef, leaves))
+
+    def unflat(fn):
+        def branch(*leaves):
+            return jax.tree.leaves(fn(*jax.tree.unflatten(treedef, leaves)))
+
+        branch.__name__ = getattr(fn, "__name__", "branch")  # a printed jaxpr's choice=<name>|<name>
+        return branch
+
     choice = _Choice(tuple(unflat(b) for b in branches), choose, by_platform)
-    return choice.primitive.bind(*leaves, choice=choice)
+    out_tree = jax.tree.structure(jax.eval_shape(branches[0], *operands))
+    return jax.tree.unflatten(out_tree, choice.primitive.bind(*leaves, choice=choice))

@@ -1,12 +1,12 @@
 """Union-of-experts decode on Mosaic TPU: T <= 8 rows, each union expert's weight tiles read once per step.
 
 Lowering: **Mosaic TPU**, through the two tile kernels of tpu_tiles.py (shared with the quantized grouped
-prefill). The TPU counterpart of `decode.py` (Mosaic GPU), same signature, same reference
+prefill). The TPU counterpart of `gpu_decode.py` (Mosaic GPU), same signature, same reference
 (`moe_decode_reference`); `pallas_kernels.platform` lowers it where a program is built for TPU.
 
 Decode is bound by weight reads: each expert chosen by any row must be read once, and applied to every row.
 
-1. `union_of_experts` (decode.py): the distinct ids `union_ids[:n_union]`, and each slot's union position.
+1. `union_of_experts` (gpu_decode.py): the distinct ids `union_ids[:n_union]`, and each slot's union position.
    Each union expert's row scales `row_scale [M, 8, 1]` (Llama-4's input scales summed per row), without them
    the rows are cast once and shared by every tile.
 2. `tpu_tiles.gate_up` with one tile per union expert (all reading the same 8 padded rows) -> `h [M, 8, I]`;
@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decode import check_decode_rows, union_of_experts, union_row_scale
+from pallas_kernels.gpu_decode import check_decode_rows, union_of_experts, union_row_scale
 from pallas_kernels.moe_op import MoEProblem, combine_slots, compute_dtype, moe_op, moe_reference
 from pallas_kernels.tpu_fused import tile_ffn
 from pallas_kernels.tpu_quant import reorder_for

@@ -1,6 +1,6 @@
 """Grouped prefill on Mosaic TPU: (token, slot) pairs sorted by expert, multiplied tile by tile.
 
-Lowering: **Mosaic TPU**. The TPU counterpart of `grouped.py` (Mosaic GPU), same signature, same reference;
+Lowering: **Mosaic TPU**. The TPU counterpart of `gpu_grouped.py` (Mosaic GPU), same signature, same reference;
 `pallas_kernels.platform` lowers it where a program is built for TPU. Two paths:
 
 Dense weights (bf16/float32) through jax's megablox `gmm` (a Pallas TPU grouped matmul: per m-tile of sorted rows
@@ -19,7 +19,7 @@ Quantized weights (every `QuantizedWeight` kind), and dense ones when `TpuGroupe
 the tile kernels of tpu_tiles.py, which dequantize each weight tile in VMEM (bf16 MXU, float32 accumulation) and fuse
 the activation into the gate/up kernel (h written once, in the multiply dtype):
 
-1. The block-aligned tile table of grouped.py (`block_aligned_layout`, in tiles of `tm` rows): every tile holds
+1. The block-aligned tile table of gpu_grouped.py (`block_aligned_layout`, in tiles of `tm` rows): every tile holds
    rows of one expert; the rows gathered into it (scaled; padding rows zero).
 2. `tpu_tiles.gate_up` (gate and up in one pass, the activation on the last contraction step) -> h in bf16 ->
    `tpu_tiles.down` -> float32 rows; tiles past those in use copy and compute nothing.
@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import gmm
 
-from pallas_kernels.expert_tiles import round_up
-from pallas_kernels.grouped import block_aligned_layout, block_aligned_rows
+from pallas_kernels.gpu_grouped import block_aligned_layout, block_aligned_rows
+from pallas_kernels.gpu_tiles import round_up
 from pallas_kernels.moe_op import MoEProblem, combine_slots, compute_dtype, moe_op, moe_reference
 from pallas_kernels.tpu_fused import tile_ffn
 from pallas_kernels.tpu_quant import TpuQuant, reorder_for

@@ -60,6 +60,14 @@ CASES = {
 # `MOEJAX_CUDA_COMPILE_ALL=1 pytest tests/test_cuda_compile.py`, or `python tests/test_cuda_compile.py --out r.json`.
 SUITE_CASES = ["qwen3-T1", "qwen3-T2048", "gptoss-T8", "qwen3-T4-f32", "qwen3-T1-int8", "qwen3-T2048-fp8"]
 RUN_CASES = list(CASES) if os.environ.get("MOEJAX_CUDA_COMPILE_ALL") == "1" else SUITE_CASES
+# The backward (`jax.grad` w.r.t. the experts and x through impl="pallas": the forward's two kernels, then the
+# backward's grouped_matmul and tgmm_tiles): the suite compiles the bf16 one; float32 reads TF32's transposed views.
+GRAD_CASES = {
+    "qwen3-T512-grad": ("qwen3-30b-a3b", 512, "bfloat16"),
+    "gptoss-T256-grad": ("gpt-oss-120b", 256, "bfloat16"),
+    "qwen3-T256-f32-grad": ("qwen3-30b-a3b", 256, "float32"),
+}
+GRAD_RUN_CASES = list(GRAD_CASES) if os.environ.get("MOEJAX_CUDA_COMPILE_ALL") == "1" else ["qwen3-T512-grad"]
 # By hand only (`python tests/test_cuda_compile.py --out r.json qwen3-T1-int4 ...`): the suite has no time for them.
 EXTRA_CASES = {
     f"qwen3-T{T}-{name}": ("qwen3-30b-a3b", T, "bfloat16", name)
@@ -116,7 +124,7 @@ def compiled(tmp_path_factory):
         pytest.skip(reason)
     out = tmp_path_factory.mktemp("cuda_compile") / "result.json"
     start = time.perf_counter()
-    cmd = [sys.executable, __file__, "--out", str(out), *RUN_CASES, BROKEN]
+    cmd = [sys.executable, __file__, "--out", str(out), *RUN_CASES, *GRAD_RUN_CASES, BROKEN]
     proc = subprocess.run(cmd, env=_compile_env(), capture_output=True, text=True, timeout=_TIMEOUT_S)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"compile subprocess failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
@@ -144,6 +152,17 @@ def test_kernels_compile_for_sm90a_without_spills(compiled, label):
     assert len(kernels) == r["mosaic_calls"] == 2, r  # gate/up + activation, then down
     assert {k["kernel"] for k in kernels} == {"moe_gate_up_tiles_mosaic_gpu_kernel", "moe_down_tiles_mosaic_gpu_kernel"}
     for k in kernels:
+        assert not problems(k), (k["kernel"], problems(k), k)
+        assert 0 < k["registers"] <= 255 and k["dynamic_smem"] is not None, k
+
+
+@pytest.mark.parametrize("label", GRAD_RUN_CASES)
+def test_backward_kernels_compile_for_sm90a_without_spills(compiled, label):
+    r = compiled[0][label]
+    assert r.get("error") is None, r["error"]
+    names = {k["kernel"].removesuffix("_mosaic_gpu_kernel") for k in r["kernels"]}
+    assert {"moe_grouped_matmul", "moe_tgmm_tiles"} <= names, names
+    for k in r["kernels"]:
         assert not problems(k), (k["kernel"], problems(k), k)
         assert 0 < k["registers"] <= 255 and k["dynamic_smem"] is not None, k
 
@@ -289,7 +308,7 @@ def _layer(name: str):
     raise KeyError(name)
 
 
-def compile_case(layer: str, T: int, dtype: str, *rest) -> dict:
+def compile_case(layer: str, T: int, dtype: str, *rest, grad: bool = False) -> dict:
     *fmt_name, topology, launches = rest
     import jax
     import jax.numpy as jnp
@@ -309,7 +328,9 @@ def compile_case(layer: str, T: int, dtype: str, *rest) -> dict:
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), (params, x))
     del launches[:]
     t0 = time.perf_counter()
-    lowered = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl="pallas")).trace(*args).lower()
+    forward = lambda p, x: moejax.moe_forward(p, x, cfg, impl="pallas")
+    backward = jax.grad(lambda p, x: jnp.sum(forward(p, x).astype(jnp.float32)), argnums=(0, 1))
+    lowered = jax.jit(backward if grad else forward).trace(*args).lower()
     calls = lowered.as_text().count("stablehlo.custom_call @mosaic_gpu_v2")
     with _capture_fd1() as log:
         lowered.compile()
@@ -327,16 +348,16 @@ def compile_broken(topology, launches: list[dict]) -> dict:
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from pallas_kernels import expert_tiles
+    from pallas_kernels import gpu_tiles
 
     sharding = NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), PartitionSpec())
-    bs = expert_tiles.TileBlockSizes(block_n=256, block_k=64, max_concurrent_steps=2)
+    bs = gpu_tiles.TileBlockSizes(block_n=256, block_k=64, max_concurrent_steps=2)
     E, H, I, NT = 128, 2048, 768, 64
     shapes = [((NT * 64, H), jnp.bfloat16), ((E, H, I), jnp.bfloat16), ((E, H, I), jnp.bfloat16)]
     shapes += [((NT,), jnp.int32), ((NT,), jnp.int32), ((1,), jnp.int32)]
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in shapes]
     del launches[:]
-    lowered = jax.jit(lambda *a: expert_tiles.gate_up_tiles(*a, block_sizes=bs)).trace(*args).lower()
+    lowered = jax.jit(lambda *a: gpu_tiles.gate_up_tiles(*a, block_sizes=bs)).trace(*args).lower()
     with _capture_fd1() as log:
         lowered.compile()
     return {"mosaic_calls": 1, "kernels": parse_ptxas(log[0]), "error": None}
@@ -345,9 +366,10 @@ def compile_broken(topology, launches: list[dict]) -> dict:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description="compile Mosaic GPU kernels for sm_90a (run by the test)")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("cases", nargs="*", help=f"of {[*CASES, *EXTRA_CASES, BROKEN]}; default: all but the extra")
+    every = [*CASES, *GRAD_CASES, *EXTRA_CASES, BROKEN]
+    ap.add_argument("cases", nargs="*", help=f"of {every}; default: all but the extra")
     opts = ap.parse_args(argv)
-    if unknown := set(opts.cases) - {*CASES, *EXTRA_CASES, BROKEN}:
+    if unknown := set(opts.cases) - set(every):
         ap.error(f"unknown cases {sorted(unknown)}")
     os.environ.update(_compile_env())  # also when run by hand; before jax is imported
     os.environ.pop("XLA_FLAGS", None)
@@ -357,10 +379,12 @@ def main(argv: list[str]) -> int:
     _record_launches(launches)
     topology = topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=H100_TARGET_CONFIG)
     results = {}
-    for label in opts.cases or [*CASES, BROKEN]:
+    for label in opts.cases or [*CASES, *GRAD_CASES, BROKEN]:
         try:
             if label == BROKEN:
                 results[label] = compile_broken(topology, launches)
+            elif label in GRAD_CASES:
+                results[label] = compile_case(*GRAD_CASES[label], topology, launches, grad=True)
             else:
                 results[label] = compile_case(*{**CASES, **EXTRA_CASES}[label], topology, launches)
         except Exception as err:  # a kernel that does not compile: report it per case, go on with the others

@@ -15,7 +15,7 @@ import pytest
 import moejax
 import pallas_kernels
 from moejax import backends
-from pallas_kernels import GatedActivation, decode, expert_tiles, grouped
+from pallas_kernels import GatedActivation, gpu_decode, gpu_grouped, gpu_tiles
 
 
 def random_case(seed, *, T, K, E, H, I, dtype, id_range=None, scale=False):
@@ -69,15 +69,15 @@ def test_decode_kernel_equals_reference(case):
     case = dict(case)
     act, dtype = case.pop("act"), case["dtype"]
     args = random_case(case["T"] * 100 + case["K"], **case)
-    got = jax.jit(lambda *a: decode.moe_decode(*a, activation=act))(*args)  # interpreted: lowered for CPU
-    want = jax.jit(lambda *a: decode.moe_decode_reference(*a, activation=act))(*args)
+    got = jax.jit(lambda *a: gpu_decode.moe_decode(*a, activation=act))(*args)  # interpreted: lowered for CPU
+    want = jax.jit(lambda *a: gpu_decode.moe_decode_reference(*a, activation=act))(*args)
     assert got.dtype == want.dtype == jnp.float32 and got.shape == want.shape
     assert_close(got, want, dtype)
 
 
 def test_union_of_experts_dedupes_on_device():
     indices = jnp.array([[3, 7, 9], [7, 3, 1], [9, 12, 3]], jnp.int32)  # 12 >= E: not in the union
-    union_ids, n_union, position = decode.union_of_experts(indices, num_experts=10)
+    union_ids, n_union, position = gpu_decode.union_of_experts(indices, num_experts=10)
     assert int(n_union) == 4
     assert list(np.asarray(union_ids[:4])) == [3, 7, 9, 1]
     np.testing.assert_array_equal(
@@ -102,10 +102,10 @@ def test_moe_forward_pallas_equals_reference(family, T, dtype):
 
 def test_signatures_match():
     pairs = [
-        (decode.moe_decode, decode.moe_decode_reference),
-        (grouped.moe_grouped, grouped.moe_grouped_reference),
-        (expert_tiles.gate_up_tiles, expert_tiles.gate_up_tiles_reference),
-        (expert_tiles.down_tiles, expert_tiles.down_tiles_reference),
+        (gpu_decode.moe_decode, gpu_decode.moe_decode_reference),
+        (gpu_grouped.moe_grouped, gpu_grouped.moe_grouped_reference),
+        (gpu_tiles.gate_up_tiles, gpu_tiles.gate_up_tiles_reference),
+        (gpu_tiles.down_tiles, gpu_tiles.down_tiles_reference),
     ]
     for kernel, reference in pairs:
         k, r = inspect.signature(kernel), inspect.signature(reference)
@@ -116,25 +116,25 @@ def test_signatures_match():
 
 def test_block_sizes_are_validated():
     with pytest.raises(ValueError, match="block_n"):
-        expert_tiles.TileBlockSizes(block_n=48)
+        gpu_tiles.TileBlockSizes(block_n=48)
     with pytest.raises(ValueError, match="max_concurrent_steps"):
-        expert_tiles.TileBlockSizes(max_concurrent_steps=1)
+        gpu_tiles.TileBlockSizes(max_concurrent_steps=1)
     with pytest.raises(ValueError, match="gate_up"):
-        decode.DecodeBlockSizes(gate_up=None, down=expert_tiles.TileBlockSizes())
-    bs = decode.DecodeBlockSizes.default(7168, 2048, jnp.bfloat16)
+        gpu_decode.DecodeBlockSizes(gate_up=None, down=gpu_tiles.TileBlockSizes())
+    bs = gpu_decode.DecodeBlockSizes.default(7168, 2048, jnp.bfloat16)
     assert (bs.gate_up.block_n, bs.gate_up.block_k, bs.down.block_n) == (64, 64, 128)
-    assert expert_tiles.TileBlockSizes.default(768, 2048, jnp.float32).block_k == 32
+    assert gpu_tiles.TileBlockSizes.default(768, 2048, jnp.float32).block_k == 32
 
 
 def test_decode_rejects_bad_inputs():
     args = random_case(0, T=9, K=2, E=4, H=8, I=8, dtype=jnp.float32)
     with pytest.raises(ValueError, match="T <= 8"):
-        decode.moe_decode(*args)  # raised while tracing, before any platform is chosen
+        gpu_decode.moe_decode(*args)  # raised while tracing, before any platform is chosen
     with pytest.raises(ValueError, match="T <= 8"):
-        decode.moe_decode(*args, interpret=True)
+        gpu_decode.moe_decode(*args, interpret=True)
     args = random_case(0, T=2, K=2, E=4, H=8, I=8, dtype=jnp.float32)
     with pytest.raises(TypeError, match="GatedActivation"):
-        decode.moe_decode(*args, activation="silu")
+        gpu_decode.moe_decode(*args, activation="silu")
     with pytest.raises(ValueError, match="kind"):
         GatedActivation("relu")
 
@@ -176,7 +176,7 @@ def test_decode_kernel_is_batch_invariant():
     """A row's output does not depend on the rows that share its batch, byte for byte (rows never mix in a tile,
     and each row sums its own slots in slot order)."""
     x, gate, up, down, indices, weights, _ = random_case(7, T=6, K=4, E=16, H=40, I=24, dtype=jnp.bfloat16)
-    run = jax.jit(lambda *a: decode.moe_decode(*a, interpret=True))
+    run = jax.jit(lambda *a: gpu_decode.moe_decode(*a, interpret=True))
     batch = run(x, gate, up, down, indices, weights)
     alone = run(x[2:3], gate, up, down, indices[2:3], weights[2:3])
     np.testing.assert_array_equal(np.asarray(batch[2:3]), np.asarray(alone))

@@ -15,7 +15,7 @@ from test_pallas_decode import assert_close, random_case
 
 import moejax
 from moejax import backends
-from pallas_kernels import GatedActivation, expert_tiles, grouped, platform
+from pallas_kernels import GatedActivation, gpu_grouped, gpu_tiles, platform
 
 CASES = [
     # Many rows over few experts: several tiles per expert, the last one partly padding; I above one block.
@@ -45,8 +45,8 @@ def test_grouped_kernel_equals_reference(case):
     case = dict(case)
     act, dtype = case.pop("act"), case["dtype"]
     args = random_case(case["T"] * 100 + case["K"], **case)
-    got = jax.jit(lambda *a: grouped.moe_grouped(*a, activation=act))(*args)  # interpreted: lowered for CPU
-    want = jax.jit(lambda *a: grouped.moe_grouped_reference(*a, activation=act))(*args)
+    got = jax.jit(lambda *a: gpu_grouped.moe_grouped(*a, activation=act))(*args)  # interpreted: lowered for CPU
+    want = jax.jit(lambda *a: gpu_grouped.moe_grouped_reference(*a, activation=act))(*args)
     assert got.dtype == want.dtype == jnp.float32 and got.shape == want.shape
     assert_close(got, want, dtype)
 
@@ -63,12 +63,12 @@ def test_tile_kernels_equal_their_references():
 
     @jax.jit
     def both(x, gate, up, down):
-        h = expert_tiles.gate_up_tiles(x, gate, up, tile_expert, tile_block, num_tiles, interpret=True)
-        return h, expert_tiles.down_tiles(h, down, tile_expert, num_tiles, rows_out=16, interpret=True)
+        h = gpu_tiles.gate_up_tiles(x, gate, up, tile_expert, tile_block, num_tiles, interpret=True)
+        return h, gpu_tiles.down_tiles(h, down, tile_expert, num_tiles, rows_out=16, interpret=True)
 
     h, y = both(x, gate, up, down)
-    h_ref = expert_tiles.gate_up_tiles_reference(x, gate, up, tile_expert, tile_block, num_tiles)
-    y_ref = expert_tiles.down_tiles_reference(h_ref, down, tile_expert, num_tiles, rows_out=16)
+    h_ref = gpu_tiles.gate_up_tiles_reference(x, gate, up, tile_expert, tile_block, num_tiles)
+    y_ref = gpu_tiles.down_tiles_reference(h_ref, down, tile_expert, num_tiles, rows_out=16)
     live = 2 * 64
     assert_close(h[:live], h_ref[:live], jnp.bfloat16)
     assert_close(y[: 2 * 16], y_ref[: 2 * 16], jnp.float32)
@@ -84,12 +84,12 @@ def test_independent_interpreted_kernels_never_give_wrong_numbers():
     gate, up = (jnp.asarray(rng.standard_normal((E, H, I)) / 8, jnp.bfloat16) for _ in range(2))
     tables = (jnp.array([2], jnp.int32), jnp.array([0], jnp.int32), jnp.array([1], jnp.int32))
     want = [
-        expert_tiles.gate_up_tiles_reference(x, gate, up, *tables),
-        expert_tiles.gate_up_tiles_reference(x, up, gate, *tables),
+        gpu_tiles.gate_up_tiles_reference(x, gate, up, *tables),
+        gpu_tiles.gate_up_tiles_reference(x, up, gate, *tables),
     ]
 
     def two(interpret):
-        tiles = functools.partial(expert_tiles.gate_up_tiles, interpret=interpret)
+        tiles = functools.partial(gpu_tiles.gate_up_tiles, interpret=interpret)
         return jax.jit(lambda x, g, u: (tiles(x, g, u, *tables), tiles(x, u, g, *tables)))(x, gate, up)
 
     try:
@@ -102,11 +102,11 @@ def test_independent_interpreted_kernels_never_give_wrong_numbers():
             assert_close(g, w, jnp.bfloat16)
     for g, w in zip(two(True), want, strict=True):
         assert_close(g, w, jnp.bfloat16)
-    (got,) = jax.jit(lambda x, g, u: (expert_tiles.gate_up_tiles(x, g, u, *tables),))(x, gate, up)
+    (got,) = jax.jit(lambda x, g, u: (gpu_tiles.gate_up_tiles(x, g, u, *tables),))(x, gate, up)
     assert_close(got, want[0], jnp.bfloat16)
 
 
-_layout = jax.jit(grouped.block_aligned_layout, static_argnums=1)
+_layout = jax.jit(gpu_grouped.block_aligned_layout, static_argnums=1)
 
 
 @hypothesis.settings(max_examples=8)
@@ -124,7 +124,7 @@ def test_block_aligned_layout(shape, E, extra, seed):
     ids = indices.reshape(-1)
     real = ids < E
     counts = np.bincount(ids[real], minlength=E)
-    assert num_tiles[0] == np.sum(-(-counts // 64)) <= len(tile_expert) == grouped.max_tiles(M, E)
+    assert num_tiles[0] == np.sum(-(-counts // 64)) <= len(tile_expert) == gpu_grouped.max_tiles(M, E)
     # Every real pair has its own row, in a tile of its own expert; rows of one expert keep pair order.
     rows = pair_row[real]
     assert len(set(rows)) == len(rows) and np.all(rows < num_tiles[0] * 64)

@@ -153,7 +153,7 @@ def test_the_four_moe_ops_take_the_written_out_arguments():
     call the ops positionally up to `activation` and by keyword after."""
     import inspect
 
-    from pallas_kernels import GatedActivation, decode, grouped, tpu_decode, tpu_grouped
+    from pallas_kernels import GatedActivation, gpu_decode, gpu_grouped, tpu_decode, tpu_grouped
 
     common = [
         ("x", inspect.Parameter.empty),
@@ -171,8 +171,8 @@ def test_the_four_moe_ops_take_the_written_out_arguments():
     ]
     gpu_tail, tpu_tail = [("interpret", None)], [("device_kind", None), ("interpret", False)]
     for op, tail in (
-        (decode.moe_decode, gpu_tail),
-        (grouped.moe_grouped, gpu_tail),
+        (gpu_decode.moe_decode, gpu_tail),
+        (gpu_grouped.moe_grouped, gpu_tail),
         (tpu_decode.moe_tpu_decode, tpu_tail),
         (tpu_grouped.moe_tpu_grouped, tpu_tail),
     ):

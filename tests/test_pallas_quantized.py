@@ -23,7 +23,7 @@ from moejax.backends.reference import reference_routed
 from moejax.experts import Slots
 from moejax.quantized import format_by_name
 from pallas_kernels import GatedActivation, QuantizedWeight
-from pallas_kernels.decode import moe_decode_reference
+from pallas_kernels.gpu_decode import moe_decode_reference
 
 
 def experts_config(E, H, I, bias=False):

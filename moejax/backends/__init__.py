@@ -17,11 +17,14 @@ the platform and devices the program is compiled for, never the host's default b
 fail, one error lists each one's reason.
 
 Gradients: `run_routed` wraps every backend but the reference and ragged in a `jax.custom_vjp` whose backward is
-`moejax.backends.backward.routed_vjp`, a grouped backward over the routed (row, expert) pairs only (the plans'
-loops with device trip counts are not reverse-differentiable, and the kernels have no transpose): gradients w.r.t.
-x, the slots' weights and scales and the experts (adapters of a wrapper included) equal the reference's up to
-float32 summation order, at a cost proportional to T·K. The reference and ragged (`jax.lax.ragged_dot`'s own
-transpose) are differentiated as they are. Forward-mode (`jax.jvp`) of the plans is not defined.
+the backend's own where it has one (the Pallas kernels: `pallas.pallas_vjp`, grouped backward kernels, dense
+stacked weights; under "auto" only on devices validated.json lists them for: `pallas.validated_vjp`),
+else `moejax.backends.backward.routed_vjp`, a grouped backward over
+the routed (row, expert) pairs only (the plans' loops with device trip counts are not reverse-differentiable):
+gradients w.r.t. x, the slots' weights and scales and the experts (adapters of a wrapper included) equal the
+reference's up to float32 summation order, at a cost proportional to T·K. The reference and ragged
+(`jax.lax.ragged_dot`'s own transpose) are differentiated as they are. Forward-mode (`jax.jvp`) of the plans is
+not defined.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class Backend:
     run: RoutedFn
     decode: bool = False
     chooser: Callable[..., Array] | None = None
+    # Its own VJP, `routed_vjp`'s signature, run where it is the only candidate (an explicit `impl=`; a kernel
+    # backend's under "auto": `pallas.validated_vjp`); NotImplementedError for a call hands it to `routed_vjp`.
+    backward: Callable[..., tuple] | None = None
 
 
 BACKENDS: dict[str, Backend] = {}
@@ -107,8 +113,19 @@ def _on_validated_devices(name: str) -> Callable[..., Array]:
 for _backend in (
     Backend("reference", reference_routed),
     Backend("native", native_layer.routed_experts, chooser=native.on_cpu),
-    Backend("pallas_decode", pallas.pallas_decode, decode=True, chooser=_on_validated_devices("pallas_decode")),
-    Backend("pallas_grouped", pallas.pallas_grouped, chooser=_on_validated_devices("pallas_grouped")),
+    Backend(
+        "pallas_decode",
+        pallas.pallas_decode,
+        decode=True,
+        chooser=_on_validated_devices("pallas_decode"),
+        backward=pallas.pallas_vjp,
+    ),
+    Backend(
+        "pallas_grouped",
+        pallas.pallas_grouped,
+        chooser=_on_validated_devices("pallas_grouped"),
+        backward=pallas.pallas_vjp,
+    ),
     Backend("cpu_decode", cpu_decode, decode=True),
     Backend("cpu_grouped", cpu_grouped),
     Backend("xla_decode", decode_plan, decode=True),
@@ -204,6 +221,14 @@ def run_routed(
     def routed_bwd(residuals, cotangent):
         if isinstance(cotangent, SymbolicZero):
             return None, None, None
+        backward = BACKENDS[names[0]].backward if len(names) == 1 else None
+        if impl == "auto" and names[0] in _KERNELS:  # the backward kernels where validated (chosen at lowering)
+            backward = pallas.validated_vjp
+        if backward is not None:
+            try:
+                return backward(*residuals, act, cotangent, perturbed[-1], block_rows=block_rows)
+            except NotImplementedError:
+                pass  # a format its kernels do not read
         return routed_vjp(*residuals, act, cotangent, perturbed[-1], block_rows=block_rows)
 
     if _in_shard_map():  # JAX has no symbolic zeros there: every input counts as differentiated

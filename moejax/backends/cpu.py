@@ -28,7 +28,7 @@ import numpy as np
 from moejax.experts import Slots
 from moejax.weights import Experts
 from pallas_kernels.activations import GatedActivation
-from pallas_kernels.decode import union_of_experts
+from pallas_kernels.gpu_decode import union_of_experts
 
 Array = jax.Array
 ExpertFn = Callable[..., Array]

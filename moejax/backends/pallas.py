@@ -15,19 +15,29 @@ The kernels are called with `interpret=None`: the platform the program is lowere
 lowered for CUDA holds the compiled kernels (also when lowered on a CPU-only host: ahead-of-time compilation,
 `jax.export`) and one lowered for CPU runs them under the Mosaic GPU interpreter (slow: for tests). See
 `pallas_kernels.platform`.
+
+Gradients (`pallas_vjp`, the backends' VJP in `moejax.backends.run_routed`): `pallas_kernels.moe_grouped_vjp`, grouped
+kernels over the routed rows (Mosaic GPU; megablox `gmm`/`tgmm` on TPU), for dense stacked weights; quantized
+bases and adapters take `routed_vjp`. Under `impl="auto"`, `validated_vjp` runs them where validated.json lists them
+("moe_grouped_vjp") for the devices, chosen while lowering.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
+from moejax.backends.backward import routed_vjp
 from moejax.backends.xla import decode_fits
 from moejax.experts import Slots
 from moejax.quantized import QuantizedExperts
 from moejax.weights import Experts, ExpertWeights
 from pallas_kernels.activations import GatedActivation
+from pallas_kernels.grouped_backward import moe_grouped_vjp
 from pallas_kernels.platform import choose_at_lowering
 from pallas_kernels.quantized_weights import QuantizedWeight
 
@@ -140,3 +150,96 @@ def on_validated_devices(kernel: str, weights: str, run_kernel, fallback, *opera
         return 0 if validated_on(kernel, weights, platform, device_kinds) else 1
 
     return choose_at_lowering(choose, (run_kernel, fallback), *operands)
+
+
+def pallas_vjp(
+    experts: Experts, x: Array, slots: Slots, act: GatedActivation, cotangent: Array, perturbed, *, block_rows=None
+):
+    """The kernel backends' backward (`moejax.backends.run_routed`'s VJP contract): cotangents of `(experts, x,
+    slots)` by `pallas_kernels.moe_grouped_vjp` (grouped kernels over the routed rows; megablox on TPU).
+
+    Dense stacked `ExpertWeights` only (`NotImplementedError` otherwise: quantized bases, adapters, per-expert
+    layouts take `routed_vjp`). Hash routing's repeated (row, expert) pairs are scaled each on its own, as the
+    forward kernels do.
+    """
+    del block_rows
+    if type(experts) is not ExpertWeights:
+        raise NotImplementedError(f"pallas backward: reads stacked dense ExpertWeights, got {type(experts).__name__}")
+    (gate, up, down, indices, weights, in_scale), kwargs = _kernel_args("pallas_vjp", experts, slots, act)
+    grads = moe_grouped_vjp(
+        x,
+        gate,
+        up,
+        down,
+        indices,
+        weights,
+        in_scale,
+        **kwargs,
+        cotangent=cotangent,
+        weight_grads=any(jax.tree.leaves(perturbed[0])),
+        out_weight_grads=bool(perturbed[2].out_weight),
+    )
+    d_experts = None
+    if grads.gate is not None:
+        fields = {f: getattr(grads, f) for f in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")}
+        d_experts = dataclasses.replace(experts, **{k: v for k, v in fields.items() if getattr(experts, k) is not None})
+    d_slots = Slots(
+        np.zeros(slots.indices.shape, jax.dtypes.float0),
+        grads.weights,
+        grads.in_scale,
+        None if slots.adapter is None else np.zeros(slots.adapter.shape, jax.dtypes.float0),
+    )
+    return d_experts, grads.x, d_slots
+
+
+def validated_vjp(
+    experts: Experts,
+    x: Array,
+    slots: Slots,
+    act: GatedActivation,
+    cotangent: Array,
+    perturbed,
+    *,
+    block_rows=None,
+):
+    """The kernel backends' backward under `impl="auto"`: `pallas_vjp` where the program is lowered for devices on
+    which validated.json lists "moe_grouped_vjp" (the backward kernels, checked on a device like the forward's),
+    else `routed_vjp`; decided while lowering (`on_validated_devices`). Same contract as `pallas_vjp`."""
+    if type(experts) is not ExpertWeights:
+        raise NotImplementedError(f"pallas backward: reads stacked dense ExpertWeights, got {type(experts).__name__}")
+    primals = (experts, x, slots)
+    flags = jax.tree.leaves(perturbed)
+    leaves = jax.tree.leaves(primals)
+    wanted = [f and jnp.issubdtype(leaf.dtype, jnp.inexact) for f, leaf in zip(flags, leaves, strict=True)]
+
+    def perturbed_only(backward):
+        """`backward`'s gradients of the differentiated float leaves, as a list (the branches' common type)."""
+
+        def run(experts, x, slots, cotangent):
+            grads = backward(experts, x, slots, act, cotangent, perturbed, block_rows=block_rows)
+            per_arg = [
+                [None] * len(jax.tree.leaves(arg)) if g is None else jax.tree.structure(arg).flatten_up_to(g)
+                for arg, g in zip((experts, x, slots), grads, strict=True)
+            ]
+            flat = [g for arg in per_arg for g in arg]
+            return [
+                jnp.zeros(leaf.shape, leaf.dtype) if g is None else jnp.asarray(g).astype(leaf.dtype)
+                for g, leaf, w in zip(flat, jax.tree.leaves((experts, x, slots)), wanted, strict=True)
+                if w
+            ]
+
+        run.__name__ = backward.__name__  # what a printed jaxpr shows: choose_at_lowering[choice=pallas_vjp|routed_vjp]
+        return run
+
+    def choose(platform: str, device_kinds: frozenset[str] | None) -> int:
+        return 0 if validated_on("moe_grouped_vjp", "dense", platform, device_kinds) else 1
+
+    branches = (perturbed_only(pallas_vjp), perturbed_only(routed_vjp))
+    chosen = iter(choose_at_lowering(choose, branches, experts, x, slots, cotangent))
+    full = [
+        next(chosen)
+        if w
+        else (None if jnp.issubdtype(leaf.dtype, jnp.inexact) else np.zeros(leaf.shape, jax.dtypes.float0))
+        for leaf, w in zip(leaves, wanted, strict=True)
+    ]
+    return tuple(jax.tree.unflatten(jax.tree.structure(primals), full))

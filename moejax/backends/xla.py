@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from moejax.experts import Slots, combine_slots
 from moejax.weights import Experts
 from pallas_kernels.activations import GatedActivation
-from pallas_kernels.decode import union_of_experts
+from pallas_kernels.gpu_decode import union_of_experts
 
 Array = jax.Array
 

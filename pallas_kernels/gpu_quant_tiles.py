@@ -1,7 +1,7 @@
 """The Mosaic GPU bodies of the tile kernels over quantized weights (`QuantizedWeight`: int8/int4, FP8 128x128
-blocks, MXFP4, NVFP4); `expert_tiles` launches them.
+blocks, MXFP4, NVFP4); `gpu_tiles` launches them.
 
-The same work items and epilogues as the dense bodies (tile_kernels.py), but each pipeline step stages the codes
+The same work items and epilogues as the dense bodies (gpu_tile_kernels.py), but each pipeline step stages the codes
 (uint8 / e4m3, 64 rows x 64 columns) and their scale rows in shared memory by TMA; the warpgroup loads the codes
 into registers, dequantizes them with float32 scales, rounds to bf16 and stores a bf16 tile to shared memory,
 which the wgmma reads with the bf16 activation tile (`_quantized_step`). 4-bit codes give two tiles (even and odd
@@ -20,8 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.activations import GatedActivation
-from pallas_kernels.quantized_weights import COMPUTE_DTYPE, QuantizedWeight, dequantize_tile, split_even_odd, tile_plan
-from pallas_kernels.tile_kernels import (
+from pallas_kernels.gpu_tile_kernels import (
     TILE_ROWS,
     WorkItem,
     accumulate_tiles,
@@ -30,6 +29,7 @@ from pallas_kernels.tile_kernels import (
     gate_up_epilogue,
     row_spec,
 )
+from pallas_kernels.quantized_weights import COMPUTE_DTYPE, QuantizedWeight, dequantize_tile, split_even_odd, tile_plan
 
 Array = jax.Array
 
@@ -150,7 +150,7 @@ def _quantized_step(ops, op_refs, accs, bufs, expert, col, bs, halves: int):
 
 
 def _gate_up_kernel(tile_expert_ref, tile_block_ref, num_tiles_ref, x_ref, *refs, bs, op: _QuantOperand, act):
-    """The dense `_gate_up_kernel` (tile_kernels.py) over quantized gate/up: the same work items and epilogue, the
+    """The dense `_gate_up_kernel` (gpu_tile_kernels.py) over quantized gate/up: the same work items and epilogue, the
     weights dequantized in registers into bf16 shared-memory tiles that the wgmma reads (`_quantized_step`).
 
     refs: gate's refs, up's refs (`_QuantOperand`), `[gate_bias, up_bias,] h` (out); x `[R, H]` bf16 (4-bit
@@ -177,7 +177,7 @@ def _gate_up_kernel(tile_expert_ref, tile_block_ref, num_tiles_ref, x_ref, *refs
 
 
 def _down_kernel(tile_expert_ref, num_tiles_ref, h_ref, *refs, bs, op: _QuantOperand, rows_out: int):
-    """The dense `_down_kernel` (tile_kernels.py) over a quantized down projection (`_quantized_step`).
+    """The dense `_down_kernel` (gpu_tile_kernels.py) over a quantized down projection (`_quantized_step`).
 
     refs: down's refs (`_QuantOperand`), `[down_bias,] y` (out); h `[N_tiles·64, I]` bf16 (4-bit kinds: the
     columns of each block in [even | odd] order).

@@ -1,6 +1,6 @@
 """Grouped prefill on Mosaic GPU: (token, slot) pairs sorted by expert in 64-row block-aligned tiles.
 
-Lowering: Mosaic GPU, through the two tile kernels of expert_tiles.py (shared with the decode op): this module
+Lowering: Mosaic GPU, through the two tile kernels of gpu_tiles.py (shared with the decode op): this module
 builds the block-aligned tile table on device and the combine. Prefill is bound by arithmetic: pairs of the same
 expert are multiplied together in 64-row tiles.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.expert_tiles import (
+from pallas_kernels.gpu_tiles import (
     TILE_ROWS,
     TilePairBlockSizes,
     pad_problem,

@@ -1,15 +1,15 @@
 """Expert tiles on Mosaic GPU: each work item multiplies one 64-row tile by one expert's weights.
 
 Both MoE ops on Mosaic GPU reduce to the same two kernels over a *tile table* built on device by the caller:
-`moe_decode` (decode.py: tile u = union expert u, every tile reads the same padded rows) and `moe_grouped`
-(grouped.py: tile t = 64 consecutive rows of the expert-sorted, block-aligned pairs).
+`moe_decode` (gpu_decode.py: tile u = union expert u, every tile reads the same padded rows) and `moe_grouped`
+(gpu_grouped.py: tile t = 64 consecutive rows of the expert-sorted, block-aligned pairs).
 
 1. `gate_up_tiles`: `h[tile] = act(x[tile_block[tile]] @ gate[e], x[...] @ up[e])`, e = `tile_expert[tile]`, two
    float32 wgmma accumulators over the hidden axis, the activation in the epilogue, h in the weight dtype.
 2. `down_tiles`: `y[tile] = h[tile] @ down[e]`, float32, of which the first `rows_out` rows are stored.
 
 Lowering: Mosaic GPU (`plgpu.kernel` on a persistent grid, warpgroup semantics, wgmma fed by a TMA pipeline). The
-bodies: tile_kernels.py (dense weights), quantized_tiles.py (`QuantizedWeight`s, dequantized in registers); both
+bodies: gpu_tile_kernels.py (dense weights), gpu_quant_tiles.py (`QuantizedWeight`s, dequantized in registers); both
 are launched by `_launch`. Shapes must be multiples of the blocks (the callers pad: `pad_problem`).
 """
 
@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import quantized_tiles, tile_kernels
+from pallas_kernels import gpu_quant_tiles, gpu_tile_kernels
 from pallas_kernels.activations import GatedActivation
+from pallas_kernels.gpu_tile_kernels import TILE_ROWS
 from pallas_kernels.moe_op import FLOAT_DTYPES, MoEProblem, Weight, compute_dtype, require_activation, signature_of
 from pallas_kernels.platform import interpret_by_platform, interpret_params
 from pallas_kernels.quantized_weights import (
@@ -34,7 +35,6 @@ from pallas_kernels.quantized_weights import (
     dequantize_weight,
     pad_quantized,
 )
-from pallas_kernels.tile_kernels import TILE_ROWS
 
 Array = jax.Array
 
@@ -260,7 +260,7 @@ def gate_up_tiles(
     blocks.
 
     gate and up may be `QuantizedWeight`s of one kind (x then bf16): each step's codes are dequantized in
-    registers into a bf16 shared-memory tile before the wgmma (quantized_tiles.py); a group layout the blocks
+    registers into a bf16 shared-memory tile before the wgmma (gpu_quant_tiles.py); a group layout the blocks
     cannot step through raises `NotImplementedError`."""
     _check_tiles("gate_up_tiles", x, gate, tile_expert, tile_block, num_tiles)
     require_activation("gate_up_tiles", activation)
@@ -275,9 +275,9 @@ def gate_up_tiles(
     if isinstance(gate, QuantizedWeight):
         if gate.kind != up.kind or (gate.zero is None) != (up.zero is None) or gate.group != up.group:
             raise ValueError(f"gate_up_tiles: up must be quantized like gate, got {gate.kind=} {up.kind=}")
-        body, operands = quantized_tiles.gate_up_body(x, gate, up, bs, activation)
+        body, operands = gpu_quant_tiles.gate_up_body(x, gate, up, bs, activation)
     else:
-        body, operands = tile_kernels.gate_up_body(x, gate, up, bs, activation, interpret)
+        body, operands = gpu_tile_kernels.gate_up_body(x, gate, up, bs, activation, interpret)
     out_shape = (tile_expert.shape[0] * TILE_ROWS, I)
     return _launch(body, out_shape, x.dtype, "moe_gate_up_tiles", bs, interpret, *tables, *operands, *biases)
 
@@ -313,7 +313,7 @@ def down_tiles(
 ) -> Array:
     """`y [N_tiles·rows_out, H]` float32: the first `rows_out` rows of `h[tile] @ down[e] + down_bias[e]`,
     e = `tile_expert[tile]`, for tiles < num_tiles (the rest unwritten). I and H must be multiples of the
-    blocks. down may be a `QuantizedWeight` (h then bf16), dequantized in registers (quantized_tiles.py)."""
+    blocks. down may be a `QuantizedWeight` (h then bf16), dequantized in registers (gpu_quant_tiles.py)."""
     _check_tiles("down_tiles", h, down, tile_expert, tile_expert, num_tiles)
     if rows_out not in (8, 16, 32, TILE_ROWS):
         raise ValueError(f"down_tiles: rows_out={rows_out} must be 8, 16, 32 or 64")
@@ -326,9 +326,9 @@ def down_tiles(
         raise ValueError(f"down_tiles: I={I} and H={H} must be multiples of {bs.block_k=} and {bs.block_n=}")
     tables = (tile_expert.astype(jnp.int32), num_tiles.astype(jnp.int32))
     if isinstance(down, QuantizedWeight):
-        body, operands = quantized_tiles.down_body(h, down, bs, rows_out)
+        body, operands = gpu_quant_tiles.down_body(h, down, bs, rows_out)
     else:
-        body, operands = tile_kernels.down_body(h, down, bs, rows_out, interpret)
+        body, operands = gpu_tile_kernels.down_body(h, down, bs, rows_out, interpret)
     out_shape = (tile_expert.shape[0] * rows_out, H)
     return _launch(body, out_shape, jnp.float32, "moe_down_tiles", bs, interpret, *tables, *operands, *biases)
 

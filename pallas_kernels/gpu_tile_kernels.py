@@ -1,5 +1,5 @@
 """The Mosaic GPU bodies of the tile kernels over dense weights, and the work-item loop and epilogues that the
-quantized bodies (quantized_tiles.py) share; `expert_tiles` launches them.
+quantized bodies (gpu_quant_tiles.py) share; `gpu_tiles` launches them.
 
 Every body runs on a persistent grid of CTAs (`"sm"`): `for_each_work_item` hands out the work items `(tile,
 column block)` round-robin, tiles outer, with a trip count `num_tiles · column blocks` read on device. Each item

@@ -1,6 +1,6 @@
 """Fused union-of-experts decode on Mosaic GPU: T <= 8 rows, T·K <= 64 slots, each selected expert read once.
 
-Lowering: Mosaic GPU, through the two tile kernels of expert_tiles.py (shared with the grouped op): this module
+Lowering: Mosaic GPU, through the two tile kernels of gpu_tiles.py (shared with the grouped op): this module
 builds the decode tile table and the combine. Decode is bound by weight bytes: every union expert's gate/up/down
 must cross HBM once, and nothing else of that size may. The steps, all on device:
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.expert_tiles import (
+from pallas_kernels.gpu_tiles import (
     TILE_ROWS,
     TilePairBlockSizes,
     pad_problem,
