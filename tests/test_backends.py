@@ -206,3 +206,15 @@ class TestRagged(BackendCases):
 @pytest.mark.skipif(not native.available(), reason="the native extension is not built")
 class TestNative(BackendCases):
     impl, layout = "native", "per_expert"
+
+
+@pytest.mark.slow  # interpreted kernels: seconds per case
+class TestPallasGrouped(BackendCases):
+    """The Mosaic GPU kernels, interpreted on CPU (forward and their own grouped backward)."""
+
+    impl = "pallas_grouped"
+
+
+@pytest.mark.slow
+class TestPallasDecode(BackendCases):
+    impl, decode = "pallas_decode", True
