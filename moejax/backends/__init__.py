@@ -16,12 +16,14 @@ the XLA plans. Kernels, ragged and native are chosen while lowering (`pallas_ker
 the platform and devices the program is compiled for, never the host's default backend). When all candidates
 fail, one error lists each one's reason.
 
-Gradients: `run_routed` wraps every backend but the reference and ragged in a `jax.custom_vjp` whose backward is
-`moejax.backends.backward.routed_vjp`, a grouped backward over the routed (row, expert) pairs only (the plans'
-loops with device trip counts are not reverse-differentiable, and the kernels have no transpose): gradients w.r.t.
-x, the slots' weights and scales and the experts (adapters of a wrapper included) equal the reference's up to
-float32 summation order, at a cost proportional to T·K. The reference and ragged (`jax.lax.ragged_dot`'s own
-transpose) are differentiated as they are. Forward-mode (`jax.jvp`) of the plans is not defined.
+Gradients: `run_routed` wraps every backend but the reference and ragged in a `jax.custom_vjp`. Where the native
+forward runs and the native backward reads the experts' format (`native.routed_backward`, C++: dense float
+weights, no adapters) that is its backward; else `moejax.backends.backward.routed_vjp`, a grouped backward over the
+routed (row, expert) pairs only (the plans' loops with device trip counts are not reverse-differentiable, and the
+kernels have no transpose). Both give gradients w.r.t. x, the slots' weights and scales and the experts (adapters
+of a wrapper included) equal to the reference's up to float32 summation order, at a cost proportional to T·K. The
+reference and ragged (`jax.lax.ragged_dot`'s own transpose) are differentiated as they are. Forward-mode
+(`jax.jvp`) of the plans is not defined.
 """
 
 from __future__ import annotations
@@ -204,7 +206,14 @@ def run_routed(
     def routed_bwd(residuals, cotangent):
         if isinstance(cotangent, SymbolicZero):
             return None, None, None
-        return routed_vjp(*residuals, act, cotangent, perturbed[-1], block_rows=block_rows)
+        grouped = functools.partial(routed_vjp, *residuals, act, cotangent, perturbed[-1], block_rows=block_rows)
+        if "native" not in names:
+            return grouped()
+        own = functools.partial(native.routed_backward, *residuals, act, cotangent, perturbed[-1])
+        try:  # the native backward where the native forward ran and it reads the experts' format
+            return own() if names == ["native"] else native.on_cpu_tree(own, grouped)
+        except NotImplementedError:
+            return grouped()
 
     if _in_shard_map():  # JAX has no symbolic zeros there: every input counts as differentiated
         routed.defvjp(lambda *args: routed_fwd(*jax.tree.map(lambda v: CustomVJPPrimal(v, True), args)), routed_bwd)
