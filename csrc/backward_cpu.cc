@@ -1,6 +1,7 @@
 // The backward of moejax's routed experts as one XLA FFI handler (moejax/backends/native.py, routed_backward):
 // for the cotangent g [T, H] of out[t] = Σ_k w[t,k] · E_{idx[t,k]}(s[t,k] · x[t]), the gradients w.r.t. x, the
-// slots' output weights and input scales, and (dense float weights) the experts' weights and biases.
+// slots' output weights and input scales, and (dense float weights) the experts' weights and biases. Quantized
+// weights are frozen: input and slot gradients only, through each expert's weights decoded to float32.
 //
 //   0. (calling thread) the routed (row, expert) pairs, grouped by expert in order of rows: slots with an id
 //      outside [0, E) are skipped; a row's slots with the same expert are one pair (summed scale and weight).
@@ -155,25 +156,38 @@ static std::vector<int> build_pairs(BwdJob& job, int T, int K, const int32_t* id
 static ffi::Error BackwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g,
                                ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> weight,
                                ffi::Buffer<ffi::F32> in_scale, ffi::Buffer<ffi::F32> gate_up_bias,
-                               ffi::Buffer<ffi::F32> down_bias, ffi::RemainingArgs weights,
+                               ffi::Buffer<ffi::F32> down_bias, ffi::Buffer<ffi::F32> scale2,
+                               ffi::RemainingArgs weights,
                                ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> d_weight,
                                ffi::ResultBuffer<ffi::F32> d_in_scale, ffi::ResultBuffer<ffi::F32> d_gate_up_bias,
                                ffi::ResultBuffer<ffi::F32> d_down_bias, ffi::RemainingRets d_weights, int64_t fmt,
-                               int64_t num_experts, int64_t intermediate, int64_t per_expert, int64_t act_kind,
+                               int64_t num_experts, int64_t intermediate, int64_t group, int64_t fields_per_proj,
+                               int64_t per_expert, int64_t act_kind,
                                int64_t has_limit, float limit, float alpha, int64_t clamp_after,
                                int64_t max_threads) {
   BwdJob job;
   const auto xd = x.dimensions(), id = idx.dimensions();
   if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0] || g.element_count() != x.element_count())
     return ffi::Error::InvalidArgument("moejax native backward: x [T, H], g [T, H], indices [T, K]");
-  if (fmt > kFusedF16 || fmt < 0)
-    return ffi::Error::InvalidArgument("moejax native backward: only dense float32/bfloat16/float16 weights");
+  if (fmt < 0 || fmt >= kNumFormats) return ffi::Error::InvalidArgument("moejax native backward: unknown format");
+  const bool quantized = fmt >= kInt8;
+  if (quantized && (d_weights.size() || d_gate_up_bias->element_count()))
+    return ffi::Error::InvalidArgument("moejax native backward: quantized weights are frozen (no weight gradient)");
+  if (quantized && (fields_per_proj < 2 || fields_per_proj > 3))
+    return ffi::Error::InvalidArgument("moejax native backward: fields_per_proj must be 2 or 3");
   const int T = static_cast<int>(xd[0]), K = static_cast<int>(id[1]);
   job.fmt = static_cast<int>(fmt);
-  job.fused = fmt >= kFusedF32;
+  job.fused = fmt >= kFusedF32 && fmt <= kFusedF16;
   job.H = static_cast<int>(xd[1]);
   job.I = static_cast<int>(intermediate);
   job.E = static_cast<int>(num_experts);
+  job.group = static_cast<int>(group);
+  job.fields_per_proj = quantized ? static_cast<int>(fields_per_proj) : 1;
+  if (fmt == kNvfp4) {
+    if (scale2.element_count() != static_cast<size_t>(3) * job.E)
+      return ffi::Error::InvalidArgument("moejax native backward: NVFP4 needs scale2 [3, E]");
+    job.scale2 = scale2.typed_data();
+  }
   job.act = Activation{static_cast<int>(act_kind), has_limit != 0, limit, alpha, clamp_after != 0};
   const size_t TK = static_cast<size_t>(T) * K, E = job.E;
   const bool has_in_scale = in_scale.element_count() != 0;
@@ -204,8 +218,8 @@ static ffi::Error BackwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
     auto buf = weights.get<ffi::AnyBuffer>(b);
     if (!buf.has_value()) return buf.error();
     const int f = static_cast<int>(per_expert ? b / E : b);
-    const size_t per = job.field_size(f);
-    if (buf->size_bytes() != per * elem * (per_expert ? 1 : E))
+    const size_t per = quantized ? buf->size_bytes() / (per_expert ? 1 : E) : job.field_size(f);
+    if (!quantized && buf->size_bytes() != per * elem * (per_expert ? 1 : E))
       return ffi::Error::InvalidArgument("moejax native backward: a weight buffer's size does not fit H and I");
     const uint8_t* base = static_cast<const uint8_t*>(buf->untyped_data());
     float* d_base = nullptr;
@@ -218,7 +232,7 @@ static ffi::Error BackwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
     }
     for (size_t e = 0; e < (per_expert ? 1 : E); ++e) {
       const size_t slot = per_expert ? b : f * E + e;
-      job.field_ptr[slot] = base + per * elem * e;
+      job.field_ptr[slot] = base + (quantized ? per : per * elem) * e;
       if (d_base) job.dw_ptr[slot] = d_base + per * e;
     }
   }
@@ -293,6 +307,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExpertsBackward, moe::bwd::BackwardCal
                                   .Arg<ffi::Buffer<ffi::F32>>()  // in_scale [T, K] or [0]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gate|up bias [E, 2I] or [0]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // down bias [E, H] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // NVFP4 scale2 [3, E] or [0]
                                   .RemainingArgs()               // the weight buffers
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dx [T, H]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d out_weight [T, K]
@@ -303,6 +318,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExpertsBackward, moe::bwd::BackwardCal
                                   .Attr<int64_t>("fmt")
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("intermediate")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("fields_per_proj")
                                   .Attr<int64_t>("per_expert")
                                   .Attr<int64_t>("act_kind")
                                   .Attr<int64_t>("has_limit")

@@ -12,9 +12,13 @@ namespace bwd {
 // semantics, reference_routed). Pairs are grouped by expert (ascending id), in order of their rows inside one.
 struct BwdJob {
   int fmt = 0, H = 0, I = 0, E = 0;
+  int group = 0, fields_per_proj = 1;  // quantized formats: inputs per scale group (int), fields per projection
+  const float* scale2 = nullptr;       // [3, E] NVFP4's per-tensor multipliers
   bool fused = false;  // [out, in] weights (FusedExpertWeights): gate|up [2I, H], down [H, I]
   Activation act;
-  std::vector<const uint8_t*> field_ptr;  // [field * E + e]: gate, up, down ([in, out]); gate|up, down ([out, in])
+  // [field * E + e]: gate, up, down ([in, out]); gate|up, down ([out, in]); quantized: each projection's codes,
+  // scales (and zero points).
+  std::vector<const uint8_t*> field_ptr;
   const float* gate_up_bias = nullptr;    // [E, 2I] or null
   const float* down_bias = nullptr;       // [E, H] or null
   const float* x = nullptr;               // [T, H]
@@ -35,8 +39,8 @@ struct BwdJob {
 
   const uint8_t* field(int f, int e) const { return field_ptr[static_cast<size_t>(f) * E + e]; }
   float* dw(int f, int e) const { return dw_ptr.empty() ? nullptr : dw_ptr[static_cast<size_t>(f) * E + e]; }
-  int num_fields() const { return fused ? 2 : 3; }
-  // Elements of field f of one expert: every projection is H x I, the fused gate|up two of them.
+  int num_fields() const { return fused ? 2 : 3 * fields_per_proj; }
+  // Elements of dense field (or projection) f of one expert: every projection is H x I, the fused gate|up two.
   size_t field_size(int f) const { return static_cast<size_t>(fused && f == 0 ? 2 : 1) * H * I; }
 };
 

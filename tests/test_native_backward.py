@@ -184,15 +184,62 @@ def test_a_rows_input_gradient_does_not_depend_on_its_neighbours():
         assert np.array_equal(dw.view(np.uint32), results[0][1].view(np.uint32))
 
 
-def test_quantized_experts_fall_back_to_the_grouped_backward():
-    """A format the native backward does not read: the grouped JAX backward, gradients still the reference's."""
+QUANTIZED = {
+    "int8": ("int8", {"group_size": 16}),
+    "int8_channel_asym": ("int8", {"group_size": None, "symmetric": False}),
+    "int4_asym": ("int4", {"group_size": 16, "symmetric": False}),
+    "fp8_block": ("fp8_block", {}),
+    "mxfp4": ("mxfp4", {}),
+    "nvfp4": ("nvfp4", {}),
+}
+
+
+def _quantized(name, layout, bias=False):
+    kind, kwargs = QUANTIZED[name]
+    extra = {"expert_bias": True} if bias else {}
+    cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=5, top_k=2, hidden_size=160, intermediate_size=96, **extra)
+    q = moejax.quantize(moejax.init_params(cfg, jax.random.key(0), layout="stacked"), cfg, kind, **kwargs)
+    return q.experts, to_layout(q.experts, layout)
+
+
+def _input_grads(impl, experts, x, slots, act, probe):
+    def loss(x, out_weight, in_scale):
+        s = Slots(slots.indices, out_weight, in_scale)
+        return jnp.sum(backends.run_routed(impl, experts, x, s, act) * probe)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, slots.out_weight, slots.in_scale)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+@pytest.mark.parametrize("fmt", sorted(QUANTIZED))
+def test_quantized_bases_give_the_reference_input_gradients(fmt, layout):
+    """QLoRA-style: the base frozen and quantized, gradients w.r.t. x, the slots' weights and input scales through
+    the weights decoded as the forward decodes them; the program calls the native backward."""
+    stacked, experts = _quantized(fmt, layout)
+    T = 11
+    x, slots, probe = rows(T, 160, 1), _slots(T, 2, 5, 2, in_scale=True), rows(T, 160, 3)
+    act = ACTIVATIONS["gpt_oss"]
+    got = _input_grads("native", experts, x, slots, act, probe)
+    want = _input_grads("reference", stacked, x, slots, act, probe)
+    _assert_close(got, want, 2e-4)
+    loss = lambda x: jnp.sum(backends.run_routed("native", experts, x, slots, act) * probe)
+    assert native.BACKWARD_TARGET in _jaxpr(jax.grad(loss), x)
+
+
+def test_what_the_native_backward_does_not_read_falls_back_to_the_grouped_backward():
+    """A differentiated quantized base and int8 activations: the grouped JAX backward, gradients the reference's."""
     cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=4, top_k=2, hidden_size=64, intermediate_size=32)
-    q = moejax.quantize(moejax.init_params(cfg, jax.random.key(0), layout="stacked"), cfg, "int8", group_size=16)
+    params = moejax.init_params(cfg, jax.random.key(0), layout="stacked")
+    a8 = moejax.quantize(params, cfg, "int4", group_size=32, activations="int8").experts
+    int8 = moejax.quantize(params, cfg, "int8", group_size=16).experts
     T = 5
     x, slots, act, probe = rows(T, 64, 1), _slots(T, 2, 4, 2), ACTIVATIONS["silu"], rows(T, 64, 3)
 
-    def loss(x, impl):
-        return jnp.sum(backends.run_routed(impl, q.experts, x, slots, act) * probe)
+    def loss(x, experts, impl):
+        return jnp.sum(backends.run_routed(impl, experts, x, slots, act) * probe)
 
-    assert native.BACKWARD_TARGET not in _jaxpr(jax.grad(lambda x: loss(x, "native")), x)
-    _assert_close(jax.grad(loss)(x, "native"), jax.grad(loss)(x, "reference"), 2e-4)
+    text = _jaxpr(jax.grad(lambda x: loss(x, a8, "native")), x)
+    assert native.BACKWARD_TARGET not in text
+    _assert_close(jax.grad(loss)(x, a8, "native"), jax.grad(loss)(x, a8, "reference"), 2e-4)
+    text = _jaxpr(jax.grad(lambda e: loss(x, e, "native"), allow_int=True), int8)
+    assert native.BACKWARD_TARGET not in text

@@ -394,10 +394,12 @@ def routed_backward(
 
     Dense float32 / bfloat16 / float16 experts in either layout: the input, slot-weight and input-scale gradients,
     and the weight and bias gradients when the experts are differentiated (float32 sums, then the weights' dtype).
+    Quantized experts (float32 activations) with the base frozen: the input and slot gradients (QLoRA-style).
     Gradients are summed per expert by one thread in row order: the same bits run to run and at any thread count.
 
     Raises:
-      NotImplementedError: not built, or experts the backward does not read (quantized, adapters).
+      NotImplementedError: not built, or experts the backward does not read (adapters, int8 activations, a
+        differentiated quantized base).
     """
     if not available():
         raise NotImplementedError("the native CPU kernels are not built or not loaded (moejax._native_cpu)")
@@ -405,10 +407,10 @@ def routed_backward(
         raise NotImplementedError("native backward: experts with adapters")
     T, H = _check_rows(x, slots)
     spec = _weight_spec(experts, H)
-    if spec["fmt"] >= _QUANTIZED[("int", 8)]:
-        raise NotImplementedError("native backward: quantized experts")
     p_experts, p_x, p_slots = perturbed
     want_base = any(jax.tree.leaves(p_experts))
+    if spec["fmt"] >= _QUANTIZED[("int", 8)] and (want_base or spec["act_group"]):
+        raise NotImplementedError("native backward: quantized experts are read frozen with float32 activations")
     E, I = spec["E"], spec["I"]
     gu_bias, d_bias = spec["biases"]
     has_bias = gu_bias is not None
@@ -428,10 +430,13 @@ def routed_backward(
         empty if slots.in_scale is None else slots.in_scale.astype(jnp.float32),
         empty if gu_bias is None else gu_bias,
         empty if d_bias is None else d_bias,
+        empty if spec["scale2"] is None else spec["scale2"],
         *spec["buffers"],
         fmt=np.int64(spec["fmt"]),
         num_experts=np.int64(E),
         intermediate=np.int64(I),
+        group=np.int64(spec["group"]),
+        fields_per_proj=np.int64(spec["fields_per_proj"]),
         per_expert=np.int64(spec["per_expert"]),
         act_kind=np.int64(_ACT_KINDS[act.kind]),
         has_limit=np.int64(act.limit is not None),
@@ -443,7 +448,7 @@ def routed_backward(
     if want_base:
         d_experts = _weight_cotangent(experts, d_weights, (d_gu_bias, d_d_bias) if has_bias else None)
     else:
-        d_experts = jax.tree.map(lambda w: jnp.zeros(w.shape, w.dtype), experts)
+        d_experts = jax.tree.map(_zero_cotangent, experts)
     d_slots = Slots(
         np.zeros(slots.indices.shape, jax.dtypes.float0),
         d_out.astype(slots.out_weight.dtype) if p_slots.out_weight else None,
@@ -451,6 +456,13 @@ def routed_backward(
         None if slots.adapter is None else np.zeros(slots.adapter.shape, jax.dtypes.float0),
     )
     return d_experts, d_x.astype(x.dtype) if p_x else None, d_slots
+
+
+def _zero_cotangent(leaf: Array) -> Array | np.ndarray:
+    """A leaf's zero cotangent: float0 for codes and other integers."""
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return jnp.zeros(leaf.shape, leaf.dtype)
+    return np.zeros(leaf.shape, jax.dtypes.float0)
 
 
 def _weight_cotangent(experts, d_weights: list[Array], d_biases: tuple[Array, Array] | None):
