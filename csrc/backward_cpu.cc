@@ -38,11 +38,6 @@ static inline F fset1(float a) { return vset1(a); }
 static inline F fload(const float* p) { return vload(p); }
 static inline void fstore(float* p, F a) { vstore(p, a); }
 static inline F ffma(F a, F b, F c) { return vfma(a, b, c); }
-#if MOE_GENERIC_FUSED
-static inline float sfma(float a, float b, float c) { return std::fma(a, b, c); }
-#else
-static inline float sfma(float a, float b, float c) { return a * b + c; }
-#endif
 #include "backward_kernels.inc"
 const BwdKernels& bwd_kernels() { return kBwdKernels; }
 }  // namespace generic
@@ -58,9 +53,6 @@ static inline F fset1(float a) { return vset1(a); }
 static inline F fload(const float* p) { return vload(p); }
 static inline void fstore(float* p, F a) { vstore(p, a); }
 static inline F ffma(F a, F b, F c) { return vfma(a, b, c); }
-static inline float sfma(float a, float b, float c) {
-  return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
-}
 #include "backward_kernels.inc"
 }  // namespace avx2
 MOE_TARGET_POP()
@@ -79,9 +71,6 @@ static inline F fset1(float a) { return wset1(a); }
 static inline F fload(const float* p) { return wload(p); }
 static inline void fstore(float* p, F a) { wstore(p, a); }
 static inline F ffma(F a, F b, F c) { return wfma(a, b, c); }
-static inline float sfma(float a, float b, float c) {
-  return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
-}
 #include "backward_kernels.inc"
 }  // namespace avx512
 MOE_TARGET_POP()
