@@ -32,7 +32,7 @@ namespace bwd {
 namespace generic {
 #include "vec_generic.inc"
 using F = V;
-constexpr int L = 8, kNV = 3;
+constexpr int L = 8, kNV = 3, kNarrowRows = 4;
 static inline F fzero() { return vzero(); }
 static inline F fset1(float a) { return vset1(a); }
 static inline F fload(const float* p) { return vload(p); }
@@ -47,7 +47,7 @@ MOE_TARGET_PUSH("avx2,fma,f16c")
 namespace avx2 {
 #include "vec_avx2.inc"
 using F = V;
-constexpr int L = 8, kNV = 3;  // 12 accumulators, 3 loads, a broadcast: the 16 registers
+constexpr int L = 8, kNV = 3, kNarrowRows = 4;  // 12 accumulators, 3 loads, a broadcast: the 16 registers
 static inline F fzero() { return vzero(); }
 static inline F fset1(float a) { return vset1(a); }
 static inline F fload(const float* p) { return vload(p); }
@@ -65,7 +65,7 @@ namespace avx512 {
 #include "vec_avx512.inc"
 #undef MOE_WIDE
 using F = W;
-constexpr int L = 16, kNV = 4;  // 16 accumulators of the 32 registers
+constexpr int L = 16, kNV = 4, kNarrowRows = 8;  // 16 accumulators of the 32 registers
 static inline F fzero() { return wzero(); }
 static inline F fset1(float a) { return wset1(a); }
 static inline F fload(const float* p) { return wload(p); }
