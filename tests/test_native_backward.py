@@ -243,3 +243,20 @@ def test_what_the_native_backward_does_not_read_falls_back_to_the_grouped_backwa
     _assert_close(jax.grad(loss)(x, a8, "native"), jax.grad(loss)(x, a8, "reference"), 2e-4)
     text = _jaxpr(jax.grad(lambda e: loss(x, e, "native"), allow_int=True), int8)
     assert native.BACKWARD_TARGET not in text
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+def test_grad_program_memory_does_not_grow_with_the_number_of_experts(layout):
+    """The compiled temporary memory of the native grad program stays within 2·T·K·(H+3I)·4 bytes at E = 16 and
+    128 (same T, K), plus the gradient outputs for the per-expert layout (compiled from shapes alone)."""
+    T, K, H, I = 64, 4, 32, 16
+    act, x, probe = ACTIVATIONS["silu"], rows(T, H, 1), rows(T, H, 3)
+    temp = {}
+    for E in (16, 128):
+        experts = jax.eval_shape(lambda E=E: _experts(E, H, I, layout=layout))
+        slots = _slots(T, K, E, 2)
+        loss = lambda e, x, s=slots: jnp.sum(backends.run_routed("native", e, x, s, act) * probe)
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(experts, x).compile()
+        temp[E] = compiled.memory_analysis().temp_size_in_bytes
+    budget = {E: 2 * T * K * (H + 3 * I) * 4 + (3 * E * H * I * 4 if layout == "per_expert" else 0) for E in temp}
+    assert all(temp[E] <= budget[E] for E in temp), (temp, budget)
