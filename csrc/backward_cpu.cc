@@ -38,6 +38,8 @@ static inline F fset1(float a) { return vset1(a); }
 static inline F fload(const float* p) { return vload(p); }
 static inline void fstore(float* p, F a) { vstore(p, a); }
 static inline F ffma(F a, F b, F c) { return vfma(a, b, c); }
+static inline void fstream(float* p, F a) { vstore(p, a); }
+static inline void fence_streams() {}
 #include "backward_kernels.inc"
 const BwdKernels& bwd_kernels() { return kBwdKernels; }
 }  // namespace generic
@@ -53,6 +55,8 @@ static inline F fset1(float a) { return vset1(a); }
 static inline F fload(const float* p) { return vload(p); }
 static inline void fstore(float* p, F a) { vstore(p, a); }
 static inline F ffma(F a, F b, F c) { return vfma(a, b, c); }
+static inline void fstream(float* p, F a) { _mm256_stream_ps(p, a); }
+static inline void fence_streams() { _mm_sfence(); }
 #include "backward_kernels.inc"
 }  // namespace avx2
 MOE_TARGET_POP()
@@ -71,6 +75,8 @@ static inline F fset1(float a) { return wset1(a); }
 static inline F fload(const float* p) { return wload(p); }
 static inline void fstore(float* p, F a) { wstore(p, a); }
 static inline F ffma(F a, F b, F c) { return wfma(a, b, c); }
+static inline void fstream(float* p, F a) { _mm512_stream_ps(p, a); }
+static inline void fence_streams() { _mm_sfence(); }
 #include "backward_kernels.inc"
 }  // namespace avx512
 MOE_TARGET_POP()
