@@ -260,3 +260,18 @@ def test_grad_program_memory_does_not_grow_with_the_number_of_experts(layout):
         temp[E] = compiled.memory_analysis().temp_size_in_bytes
     budget = {E: 2 * T * K * (H + 3 * I) * 4 + (3 * E * H * I * 4 if layout == "per_expert" else 0) for E in temp}
     assert all(temp[E] <= budget[E] for E in temp), (temp, budget)
+
+
+def test_the_isa_variants_agree(monkeypatch):
+    """AVX-512 and AVX2 run the same chains of fmas (the same bits); the portable variant is within float32
+    rounding (on x86-64 it has no fused multiply-add). The variant is read per call (MOEJAX_NATIVE_ISA)."""
+    E, H, I, T, K = 4, 40, 24, 30, 3
+    experts = _experts(E, H, I, bias=True)
+    x, slots, act, g = rows(T, H, 1), _slots(T, K, E, 2, in_scale=True), ACTIVATIONS["gelu_tanh"], rows(T, H, 3)
+    results = {}
+    for isa in ("avx512", "avx2", "generic"):
+        monkeypatch.setenv("MOEJAX_NATIVE_ISA", isa)
+        results[isa] = _backward(experts, x, slots, act, g, 0)
+    assert all(np.array_equal(a, b) for a, b in zip(_bits(results["avx512"]), _bits(results["avx2"]), strict=True))
+    floats = lambda tree: [leaf for leaf in jax.tree.leaves(tree) if leaf.dtype != jax.dtypes.float0]
+    _assert_close(floats(results["generic"]), floats(results["avx512"]), 1e-5)
