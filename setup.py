@@ -62,6 +62,7 @@ def _native_extensions() -> list[Extension]:
                 "csrc/moe_avx512.cc",
                 "csrc/linear_cpu.cc",
                 "csrc/scores_cpu.cc",
+                "csrc/backward_cpu.cc",
             ],
             include_dirs=["csrc"],
             depends=sorted(glob.glob("csrc/*.h") + glob.glob("csrc/*.inc")),  # a header edit rebuilds it

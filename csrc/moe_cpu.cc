@@ -641,6 +641,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLoRADelta, moe::NoThrow<moe::LoRADeltaCall>:
 // -- the Python module: PyCapsules of the handlers, the chosen ISA ---------------------------------------------
 extern "C" XLA_FFI_Error* MoejaxLinear(XLA_FFI_CallFrame* call_frame);  // csrc/linear_cpu.cc
 extern "C" XLA_FFI_Error* MoejaxScores(XLA_FFI_CallFrame* call_frame);  // csrc/scores_cpu.cc
+extern "C" XLA_FFI_Error* MoejaxRoutedExpertsBackward(XLA_FFI_CallFrame* call_frame);  // csrc/backward_cpu.cc
 
 static PyObject* registrations(PyObject*, PyObject*) {
   PyObject* dict = PyDict_New();
@@ -651,6 +652,7 @@ static PyObject* registrations(PyObject*, PyObject*) {
       {"moejax_lora_delta", reinterpret_cast<void*>(&MoejaxLoRADelta)},
       {"moejax_linear", reinterpret_cast<void*>(&MoejaxLinear)},
       {"moejax_scores", reinterpret_cast<void*>(&MoejaxScores)},
+      {"moejax_routed_experts_backward", reinterpret_cast<void*>(&MoejaxRoutedExpertsBackward)},
   };
   for (const auto& [name, fn] : handlers) {
     PyObject* capsule = PyCapsule_New(fn, nullptr, nullptr);

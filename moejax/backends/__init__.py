@@ -17,11 +17,12 @@ the platform and devices the program is compiled for, never the host's default b
 fail, one error lists each one's reason.
 
 Gradients: `run_routed` wraps every backend but the reference and ragged in a `jax.custom_vjp` whose backward is
-the backend's own where it has one (the Pallas kernels: `pallas.pallas_vjp`, grouped backward kernels, dense
-stacked weights; under "auto" only on devices validated.json lists them for: `pallas.validated_vjp`),
-else `moejax.backends.backward.routed_vjp`, a grouped backward over
-the routed (row, expert) pairs only (the plans' loops with device trip counts are not reverse-differentiable):
-gradients w.r.t. x, the slots' weights and scales and the experts (adapters of a wrapper included) equal the
+the backend's own where it has one and reads the experts' format: the native C++ backward where the native forward
+runs (`native.routed_backward`: dense float weights, or a frozen quantized base; no adapters), the Pallas grouped
+backward kernels (`pallas.pallas_vjp`: dense stacked weights; under "auto" only on devices validated.json lists
+them for, `pallas.validated_vjp`); else `moejax.backends.backward.routed_vjp`, a grouped backward over the routed
+(row, expert) pairs only (the plans' loops with device trip counts are not reverse-differentiable). Each gives
+gradients w.r.t. x, the slots' weights and scales and the experts (adapters of a wrapper included) equal to the
 reference's up to float32 summation order, at a cost proportional to T·K. The reference and ragged
 (`jax.lax.ragged_dot`'s own transpose) are differentiated as they are. Forward-mode (`jax.jvp`) of the plans is
 not defined.
@@ -221,15 +222,27 @@ def run_routed(
     def routed_bwd(residuals, cotangent):
         if isinstance(cotangent, SymbolicZero):
             return None, None, None
-        backward = BACKENDS[names[0]].backward if len(names) == 1 else None
-        if impl == "auto" and names[0] in _KERNELS:  # the backward kernels where validated (chosen at lowering)
-            backward = pallas.validated_vjp
-        if backward is not None:
-            try:
-                return backward(*residuals, act, cotangent, perturbed[-1], block_rows=block_rows)
+        args = (*residuals, act, cotangent, perturbed[-1])
+        grouped = functools.partial(routed_vjp, *args, block_rows=block_rows)
+
+        def kernels_or_grouped():
+            backward = BACKENDS[names[0]].backward if len(names) == 1 else None
+            if impl == "auto" and names[0] in _KERNELS:  # the backward kernels where validated (chosen at lowering)
+                backward = pallas.validated_vjp
+            if backward is not None:
+                try:
+                    return backward(*args, block_rows=block_rows)
+                except NotImplementedError:
+                    pass  # a format its kernels do not read
+            return grouped()
+
+        if "native" in names:
+            own = functools.partial(native.routed_backward, *args)
+            try:  # the native backward where the native forward ran and it reads the experts' format
+                return own() if names == ["native"] else native.on_cpu_tree(own, kernels_or_grouped)
             except NotImplementedError:
-                pass  # a format its kernels do not read
-        return routed_vjp(*residuals, act, cotangent, perturbed[-1], block_rows=block_rows)
+                pass
+        return kernels_or_grouped()
 
     if _in_shard_map():  # JAX has no symbolic zeros there: every input counts as differentiated
         routed.defvjp(lambda *args: routed_fwd(*jax.tree.map(lambda v: CustomVJPPrimal(v, True), args)), routed_bwd)

@@ -27,9 +27,12 @@ emptying JAX's caches; MOEJAX_NATIVE=0 in the environment makes off the default.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +47,7 @@ from pallas_kernels.activations import GatedActivation
 Array = jax.Array
 TARGET = "moejax_routed_experts"
 LORA_TARGET = "moejax_routed_experts_lora"
+BACKWARD_TARGET = "moejax_routed_experts_backward"
 _DENSE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
 _FUSED = 3  # + the dense dtype's index
 _QUANTIZED = {("int", 8): 6, ("int", 4): 7, ("fp8_block", 8): 8, ("mxfp4", 4): 9, ("nvfp4", 4): 10}
@@ -121,6 +125,23 @@ def on_cpu(run, fallback, *operands) -> Array:
     across the program, and the routed experts run in programs that mix meshes (a data-parallel input beside an
     EP forward, tests/test_lora_safety.py)."""
     return jax.lax.platform_dependent(*operands, cpu=run, default=fallback)
+
+
+def on_cpu_tree(run: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
+    """`run()` in a program lowered for the CPU, else `fallback()` (as `on_cpu`), for two functions of no operands
+    that return one pytree structure; its float0 leaves (constants) are taken as zeros."""
+    shapes, tree = jax.tree.flatten(jax.eval_shape(run))
+    is_zero = [jnp.dtype(s.dtype) == jax.dtypes.float0 for s in shapes]
+
+    def arrays(fn: Callable[[], Any]) -> list[Array]:
+        leaves, got = jax.tree.flatten(fn())
+        if got != tree:
+            raise ValueError(f"native: the two branches return different structures {got} and {tree}")
+        return [leaf for leaf, zero in zip(leaves, is_zero, strict=True) if not zero]
+
+    chosen = iter(jax.lax.platform_dependent(cpu=lambda: arrays(run), default=lambda: arrays(fallback)))
+    leaves = [np.zeros(s.shape, s.dtype) if zero else next(chosen) for s, zero in zip(shapes, is_zero, strict=True)]
+    return jax.tree.unflatten(tree, leaves)
 
 
 def isa() -> str | None:
@@ -356,3 +377,113 @@ def _biases(parts, names, per_expert: bool, E: int, H: int, I: int) -> tuple[Arr
 def _scale2(parts, per_expert: bool) -> Array:
     """NVFP4's per-tensor multipliers `[3, E]` (gate, up, down) float32."""
     return jnp.stack([_stack(parts, f"{p}_scale2", per_expert).reshape(-1) for p in ("gate", "up", "down")])
+
+
+def routed_backward(
+    experts: PerExpert | ExpertFormat,
+    x: Array,
+    slots: Slots,
+    act: GatedActivation,
+    cotangent: Array,
+    perturbed: tuple,
+    *,
+    max_threads: int = 0,
+) -> tuple:
+    """Cotangents of `(experts, x, slots)` of `routed_experts` by the native backward (csrc/backward_cpu.cc), in
+    the structure of `moejax.backends.backward.routed_vjp` (same arguments).
+
+    Dense float32 / bfloat16 / float16 experts in either layout: the input, slot-weight and input-scale gradients,
+    and the weight and bias gradients when the experts are differentiated (float32 sums, then the weights' dtype).
+    Quantized experts (float32 activations) with the base frozen: the input and slot gradients (QLoRA-style).
+    Gradients are summed per expert by one thread in row order: the same bits run to run and at any thread count.
+
+    Raises:
+      NotImplementedError: not built, or experts the backward does not read (adapters, int8 activations, a
+        differentiated quantized base).
+    """
+    if not available():
+        raise NotImplementedError("the native CPU kernels are not built or not loaded (moejax._native_cpu)")
+    if isinstance(experts, LoRAExperts):
+        raise NotImplementedError("native backward: experts with adapters")
+    T, H = _check_rows(x, slots)
+    spec = _weight_spec(experts, H)
+    p_experts, p_x, p_slots = perturbed
+    want_base = any(jax.tree.leaves(p_experts))
+    if spec["fmt"] >= _QUANTIZED[("int", 8)] and (want_base or spec["act_group"]):
+        raise NotImplementedError("native backward: quantized experts are read frozen with float32 activations")
+    E, I = spec["E"], spec["I"]
+    gu_bias, d_bias = spec["biases"]
+    has_bias = gu_bias is not None
+    empty = jnp.zeros((0,), jnp.float32)
+    f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    bias_shapes = ((E, 2 * I), (E, H)) if has_bias and want_base else ((0,), (0,))
+    weight_shapes = [f32(b.shape) for b in spec["buffers"]] if want_base else []
+    K = slots.indices.shape[1]
+    results = [f32((T, H)), f32((T, K)), f32((T, K) if slots.in_scale is not None else (0,))]
+    results += [f32(s) for s in bias_shapes] + weight_shapes
+    call = jax.ffi.ffi_call(BACKWARD_TARGET, results, vmap_method="sequential")
+    d_x, d_out, d_scale, d_gu_bias, d_d_bias, *d_weights = call(
+        x.astype(jnp.float32),
+        cotangent.astype(jnp.float32),
+        slots.indices.astype(jnp.int32),
+        slots.out_weight.astype(jnp.float32),
+        empty if slots.in_scale is None else slots.in_scale.astype(jnp.float32),
+        empty if gu_bias is None else gu_bias,
+        empty if d_bias is None else d_bias,
+        empty if spec["scale2"] is None else spec["scale2"],
+        *spec["buffers"],
+        fmt=np.int64(spec["fmt"]),
+        num_experts=np.int64(E),
+        intermediate=np.int64(I),
+        group=np.int64(spec["group"]),
+        fields_per_proj=np.int64(spec["fields_per_proj"]),
+        per_expert=np.int64(spec["per_expert"]),
+        act_kind=np.int64(_ACT_KINDS[act.kind]),
+        has_limit=np.int64(act.limit is not None),
+        limit=np.float32(0.0 if act.limit is None else act.limit),
+        alpha=np.float32(act.alpha),
+        clamp_after=np.int64(act.clamp_order == "after_activation"),
+        max_threads=np.int64(max_threads),
+    )
+    if want_base:
+        d_experts = _weight_cotangent(experts, d_weights, (d_gu_bias, d_d_bias) if has_bias else None)
+    else:
+        d_experts = jax.tree.map(_zero_cotangent, experts)
+    d_slots = Slots(
+        np.zeros(slots.indices.shape, jax.dtypes.float0),
+        d_out.astype(slots.out_weight.dtype) if p_slots.out_weight else None,
+        d_scale.astype(slots.in_scale.dtype) if slots.in_scale is not None and p_slots.in_scale else None,
+        None if slots.adapter is None else np.zeros(slots.adapter.shape, jax.dtypes.float0),
+    )
+    return d_experts, d_x.astype(x.dtype) if p_x else None, d_slots
+
+
+def _zero_cotangent(leaf: Array) -> Array | np.ndarray:
+    """A leaf's zero cotangent: float0 for codes and other integers."""
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return jnp.zeros(leaf.shape, leaf.dtype)
+    return np.zeros(leaf.shape, jax.dtypes.float0)
+
+
+def _weight_cotangent(experts, d_weights: list[Array], d_biases: tuple[Array, Array] | None):
+    """The experts' cotangent from the backward's float32 weight gradients (`_weight_spec`'s buffer order: field
+    major) and bias gradients (`[E, 2I]`, `[E, H]`), each in its primal's dtype."""
+    per_expert = isinstance(experts, PerExpert)
+    parts = experts.parts if per_expert else (experts,)
+    fused = isinstance(parts[0], FusedExpertWeights)
+    names = ["gate_up_weight", "down_weight"] if fused else ["gate", "up", "down"]
+    n = len(parts)
+    grads = {name: d_weights[i * n : (i + 1) * n] for i, name in enumerate(names)}
+
+    def part_cotangent(j: int, part):
+        fields = {name: grads[name][j].astype(getattr(part, name).dtype) for name in names}
+        if d_biases is not None:
+            d_gu, d_down = (b[j] if per_expert else b for b in d_biases)
+            I = d_gu.shape[-1] // 2
+            biases = {"down_bias": d_down}
+            biases |= {"gate_up_bias": d_gu} if fused else {"gate_bias": d_gu[..., :I], "up_bias": d_gu[..., I:]}
+            fields |= {k: v.astype(getattr(part, k).dtype) for k, v in biases.items()}
+        return dataclasses.replace(part, **fields)
+
+    cotangents = tuple(part_cotangent(j, p) for j, p in enumerate(parts))
+    return PerExpert(cotangents, experts.fmt) if per_expert else cotangents[0]

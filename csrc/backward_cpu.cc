@@ -1,0 +1,324 @@
+// The backward of moejax's routed experts as one XLA FFI handler (moejax/backends/native.py, routed_backward):
+// for the cotangent g [T, H] of out[t] = Σ_k w[t,k] · E_{idx[t,k]}(s[t,k] · x[t]), the gradients w.r.t. x, the
+// slots' output weights and input scales, and (dense float weights) the experts' weights and biases. Quantized
+// weights are frozen: input and slot gradients only, through each expert's weights decoded to float32.
+//
+//   0. (calling thread) the routed (row, expert) pairs, grouped by expert in order of rows: slots with an id
+//      outside [0, E) are skipped; a row's slots with the same expert are one pair (summed scale and weight).
+//   1. work items of union experts (backward_kernels.inc): per block of the expert's rows, the forward's gate/up
+//      recomputed, q = g·downᵀ, h = act(gate, up), <g, y> = <h, q> (+ the down bias), the gate/up gradients
+//      through the activation's derivative for dh = w·q, the rows' input gradients dxs = dgate·gateᵀ + dup·upᵀ,
+//      <dxs, x> for the input scale, and the weight gradients as outer products summed over the expert's rows.
+//      The expert's weights are read once per block (in cache for all of its products).
+//   2. work items of rows: dx[t] = Σ over the row's pairs in slot order; each slot's weight and scale gradient.
+// One thread owns an expert: every gradient is one fixed chain of operations (backward_kernels.inc), so the bits
+// do not depend on the threads, and a row's dx not on its neighbours. Weight gradients of experts without pairs
+// are zeros.
+//
+// ISA: backward_kernels.inc compiled three times in this file (AVX-512 with 16 lanes, AVX2 + FMA with 8, the
+// portable variant), the best the CPU runs chosen per call (MOEJAX_NATIVE_ISA caps it, as for the forward). Every
+// value is a chain of per-lane fused multiply-adds in input order, so AVX2 and AVX-512 give the same bits.
+
+#include "backward_cpu.h"
+
+#include <array>
+#include <utility>
+
+#include "target.h"
+
+namespace moe {
+namespace bwd {
+
+namespace generic {
+#include "vec_generic.inc"
+using F = V;
+constexpr int L = 8, kNV = 3, kNarrowRows = 4;
+static inline F fzero() { return vzero(); }
+static inline F fset1(float a) { return vset1(a); }
+static inline F fload(const float* p) { return vload(p); }
+static inline void fstore(float* p, F a) { vstore(p, a); }
+static inline F ffma(F a, F b, F c) { return vfma(a, b, c); }
+static inline void fstream(float* p, F a) { vstore(p, a); }
+static inline void fence_streams() {}
+#include "backward_kernels.inc"
+const BwdKernels& bwd_kernels() { return kBwdKernels; }
+}  // namespace generic
+
+#if MOE_X86
+MOE_TARGET_PUSH("avx2,fma,f16c")
+namespace avx2 {
+#include "vec_avx2.inc"
+using F = V;
+constexpr int L = 8, kNV = 3, kNarrowRows = 4;  // 12 accumulators, 3 loads, a broadcast: the 16 registers
+static inline F fzero() { return vzero(); }
+static inline F fset1(float a) { return vset1(a); }
+static inline F fload(const float* p) { return vload(p); }
+static inline void fstore(float* p, F a) { vstore(p, a); }
+static inline F ffma(F a, F b, F c) { return vfma(a, b, c); }
+static inline void fstream(float* p, F a) { _mm256_stream_ps(p, a); }
+static inline void fence_streams() { _mm_sfence(); }
+#include "backward_kernels.inc"
+}  // namespace avx2
+MOE_TARGET_POP()
+namespace avx2 {
+const BwdKernels& bwd_kernels() { return kBwdKernels; }
+}  // namespace avx2
+
+MOE_TARGET_PUSH("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")
+namespace avx512 {
+#include "vec_avx512.inc"
+#undef MOE_WIDE
+using F = W;
+constexpr int L = 16, kNV = 4, kNarrowRows = 8;  // 16 accumulators of the 32 registers
+static inline F fzero() { return wzero(); }
+static inline F fset1(float a) { return wset1(a); }
+static inline F fload(const float* p) { return wload(p); }
+static inline void fstore(float* p, F a) { wstore(p, a); }
+static inline F ffma(F a, F b, F c) { return wfma(a, b, c); }
+static inline void fstream(float* p, F a) { _mm512_stream_ps(p, a); }
+static inline void fence_streams() { _mm_sfence(); }
+#include "backward_kernels.inc"
+}  // namespace avx512
+MOE_TARGET_POP()
+namespace avx512 {
+const BwdKernels& bwd_kernels() { return kBwdKernels; }
+}  // namespace avx512
+#endif
+
+// The best variant this CPU runs, capped by MOEJAX_NATIVE_ISA ("avx2", "generic") as the forward's.
+static const BwdKernels& best_kernels() {
+  const char* cap = std::getenv("MOEJAX_NATIVE_ISA");
+  const std::string want = cap ? cap : "avx512";
+#if MOE_X86
+  __builtin_cpu_init();
+  const bool has_avx2 =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  if (want == "avx512" && has_avx512) return avx512::bwd_kernels();
+  if ((want == "avx512" || want == "avx2") && has_avx2) return avx2::bwd_kernels();
+#endif
+  return generic::bwd_kernels();
+}
+
+#include "parallel.inc"
+
+// Step 0: the pairs (BwdJob's routing) and each slot's pair (-1: skipped).
+static std::vector<int> build_pairs(BwdJob& job, int T, int K, const int32_t* idx, const float* weight,
+                                    const float* in_scale) {
+  const int E = job.E;
+  std::vector<int> slot_first(static_cast<size_t>(T) * K, -1);  // the row's first slot with the same expert
+  std::vector<int> count(E, 0);
+  for (int t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) {
+      const size_t s = static_cast<size_t>(t) * K + k;
+      const int e = idx[s];
+      if (e < 0 || e >= E) continue;
+      int first = k;
+      for (int j = 0; j < k && first == k; ++j)
+        if (idx[static_cast<size_t>(t) * K + j] == e) first = j;
+      slot_first[s] = first;
+      if (first == k) ++count[e];
+    }
+  std::vector<int> start(E + 1, 0);
+  job.union_ids.clear();
+  job.pair_start.assign(1, 0);
+  for (int e = 0; e < E; ++e) {
+    start[e + 1] = start[e] + count[e];
+    if (count[e]) {
+      job.union_ids.push_back(e);
+      job.pair_start.push_back(start[e + 1]);
+    }
+  }
+  const int P = start[E];
+  job.pair_token.assign(P, 0);
+  job.pair_weight.assign(P, 0.0f);
+  if (in_scale) job.pair_scale.assign(P, 0.0f);
+  std::vector<int> slot_pair(static_cast<size_t>(T) * K, -1), next(start.begin(), start.end() - 1);
+  for (int t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) {
+      const size_t s = static_cast<size_t>(t) * K + k;
+      if (slot_first[s] < 0) continue;
+      const int p = slot_first[s] == k ? next[idx[s]]++ : slot_pair[static_cast<size_t>(t) * K + slot_first[s]];
+      slot_pair[s] = p;
+      job.pair_token[p] = t;
+      job.pair_weight[p] += weight[s];
+      if (in_scale) job.pair_scale[p] += in_scale[s];
+    }
+  return slot_pair;
+}
+
+static ffi::Error BackwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g,
+                               ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> weight,
+                               ffi::Buffer<ffi::F32> in_scale, ffi::Buffer<ffi::F32> gate_up_bias,
+                               ffi::Buffer<ffi::F32> down_bias, ffi::Buffer<ffi::F32> scale2,
+                               ffi::RemainingArgs weights,
+                               ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> d_weight,
+                               ffi::ResultBuffer<ffi::F32> d_in_scale, ffi::ResultBuffer<ffi::F32> d_gate_up_bias,
+                               ffi::ResultBuffer<ffi::F32> d_down_bias, ffi::RemainingRets d_weights, int64_t fmt,
+                               int64_t num_experts, int64_t intermediate, int64_t group, int64_t fields_per_proj,
+                               int64_t per_expert, int64_t act_kind,
+                               int64_t has_limit, float limit, float alpha, int64_t clamp_after,
+                               int64_t max_threads) {
+  BwdJob job;
+  const auto xd = x.dimensions(), id = idx.dimensions();
+  if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0] || g.element_count() != x.element_count())
+    return ffi::Error::InvalidArgument("moejax native backward: x [T, H], g [T, H], indices [T, K]");
+  if (fmt < 0 || fmt >= kNumFormats) return ffi::Error::InvalidArgument("moejax native backward: unknown format");
+  const bool quantized = fmt >= kInt8;
+  if (quantized && (d_weights.size() || d_gate_up_bias->element_count()))
+    return ffi::Error::InvalidArgument("moejax native backward: quantized weights are frozen (no weight gradient)");
+  if (quantized && (fields_per_proj < 2 || fields_per_proj > 3))
+    return ffi::Error::InvalidArgument("moejax native backward: fields_per_proj must be 2 or 3");
+  const int T = static_cast<int>(xd[0]), K = static_cast<int>(id[1]);
+  job.fmt = static_cast<int>(fmt);
+  job.fused = fmt >= kFusedF32 && fmt <= kFusedF16;
+  job.H = static_cast<int>(xd[1]);
+  job.I = static_cast<int>(intermediate);
+  job.E = static_cast<int>(num_experts);
+  job.group = static_cast<int>(group);
+  job.fields_per_proj = quantized ? static_cast<int>(fields_per_proj) : 1;
+  if (fmt == kNvfp4) {
+    if (scale2.element_count() != static_cast<size_t>(3) * job.E)
+      return ffi::Error::InvalidArgument("moejax native backward: NVFP4 needs scale2 [3, E]");
+    job.scale2 = scale2.typed_data();
+  }
+  job.act = Activation{static_cast<int>(act_kind), has_limit != 0, limit, alpha, clamp_after != 0};
+  const size_t TK = static_cast<size_t>(T) * K, E = job.E;
+  const bool has_in_scale = in_scale.element_count() != 0;
+  if (weight.element_count() != TK || d_weight->element_count() != TK ||
+      (has_in_scale && (in_scale.element_count() != TK || d_in_scale->element_count() != TK)))
+    return ffi::Error::InvalidArgument("moejax native backward: out_weight, in_scale and their gradients [T, K]");
+  if (gate_up_bias.element_count()) {
+    if (gate_up_bias.element_count() != E * 2 * job.I || down_bias.element_count() != E * job.H)
+      return ffi::Error::InvalidArgument("moejax native backward: biases must be [E, 2I] and [E, H]");
+    job.gate_up_bias = gate_up_bias.typed_data();
+    job.down_bias = down_bias.typed_data();
+    if (d_gate_up_bias->element_count()) {
+      if (d_gate_up_bias->element_count() != E * 2 * job.I || d_down_bias->element_count() != E * job.H)
+        return ffi::Error::InvalidArgument("moejax native backward: bias gradients must be [E, 2I] and [E, H]");
+      job.d_gate_up_bias = d_gate_up_bias->typed_data();
+      job.d_down_bias = d_down_bias->typed_data();
+    }
+  }
+  // Weights: per-expert, field-major [field][expert] buffers; stacked, one [E, ...] buffer per field. Their
+  // gradients (when wanted) the same way, float32.
+  const size_t nfields = job.num_fields(), nbuf = per_expert ? nfields * E : nfields;
+  if (weights.size() != nbuf || (d_weights.size() != 0 && d_weights.size() != nbuf))
+    return ffi::Error::InvalidArgument("moejax native backward: weight buffers do not match the format");
+  job.field_ptr.resize(nfields * E);
+  if (d_weights.size()) job.dw_ptr.resize(nfields * E);
+  const size_t elem = job.fmt == kDenseF32 || job.fmt == kFusedF32 ? 4 : 2;
+  for (size_t b = 0; b < nbuf; ++b) {
+    auto buf = weights.get<ffi::AnyBuffer>(b);
+    if (!buf.has_value()) return buf.error();
+    const int f = static_cast<int>(per_expert ? b / E : b);
+    const size_t per = quantized ? buf->size_bytes() / (per_expert ? 1 : E) : job.field_size(f);
+    if (!quantized && buf->size_bytes() != per * elem * (per_expert ? 1 : E))
+      return ffi::Error::InvalidArgument("moejax native backward: a weight buffer's size does not fit H and I");
+    const uint8_t* base = static_cast<const uint8_t*>(buf->untyped_data());
+    float* d_base = nullptr;
+    if (d_weights.size()) {
+      auto d = d_weights.get<ffi::Buffer<ffi::F32>>(b);
+      if (!d.has_value()) return d.error();
+      if ((*d)->element_count() != per * (per_expert ? 1 : E))
+        return ffi::Error::InvalidArgument("moejax native backward: a weight gradient's size does not fit");
+      d_base = (*d)->typed_data();
+    }
+    for (size_t e = 0; e < (per_expert ? 1 : E); ++e) {
+      const size_t slot = per_expert ? b : f * E + e;
+      job.field_ptr[slot] = base + (quantized ? per : per * elem) * e;
+      if (d_base) job.dw_ptr[slot] = d_base + per * e;
+    }
+  }
+  job.x = x.typed_data();
+  job.g = g.typed_data();
+  const std::vector<int> slot_pair = build_pairs(job, T, K, idx.typed_data(), weight.typed_data(),
+                                                 has_in_scale ? in_scale.typed_data() : nullptr);
+  const size_t P = job.pair_token.size(), H = job.H;
+  std::unique_ptr<float[]> pair_dx(new float[P * H]), pair_dout(new float[P]), pair_dscale(new float[P]);
+  job.pair_dx = pair_dx.get();
+  job.pair_dout = pair_dout.get();
+  job.pair_dscale = pair_dscale.get();
+
+  const int mt = static_cast<int>(max_threads);
+  const BwdKernels& k = best_kernels();
+  const int U = static_cast<int>(job.union_ids.size());
+  // Experts without pairs: zero gradients (items after the union experts').
+  std::vector<int> unused;
+  if (!job.dw_ptr.empty() || job.d_gate_up_bias)
+    for (int e = 0, u = 0; e < job.E; ++e) {
+      if (u < U && job.union_ids[u] == e) ++u;
+      else unused.push_back(e);
+    }
+  parallel_for(&pool, U + static_cast<int64_t>(unused.size()), mt, [&](int64_t i) {
+    if (i < U) return k.expert(job, static_cast<int>(i));
+    const int e = unused[i - U];
+    for (size_t f = 0; f < nfields && !job.dw_ptr.empty(); ++f) std::fill_n(job.dw(f, e), job.field_size(f), 0.0f);
+    if (job.d_gate_up_bias) {
+      std::fill_n(job.d_gate_up_bias + e * 2 * static_cast<size_t>(job.I), 2 * job.I, 0.0f);
+      std::fill_n(job.d_down_bias + e * H, H, 0.0f);
+    }
+  });
+  // Step 2: per row, its pairs in slot order.
+  float* dxo = dx->typed_data();
+  float* dwo = d_weight->typed_data();
+  float* dso = has_in_scale ? d_in_scale->typed_data() : nullptr;
+  constexpr int kRows = 8;
+  parallel_for(&pool, (T + kRows - 1) / kRows, mt, [&](int64_t i) {
+    for (int t = static_cast<int>(i) * kRows; t < std::min(T, static_cast<int>(i + 1) * kRows); ++t) {
+      float* d = dxo + static_cast<size_t>(t) * H;
+      bool first = true;
+      for (int s = 0; s < K; ++s) {
+        const size_t slot = static_cast<size_t>(t) * K + s;
+        const int p = slot_pair[slot];
+        dwo[slot] = p < 0 ? 0.0f : job.pair_dout[p];
+        if (dso) dso[slot] = p < 0 ? 0.0f : job.pair_dscale[p];
+        bool counted = false;  // an earlier slot of the row with the same pair
+        for (int j = 0; j < s && !counted; ++j) counted = slot_pair[static_cast<size_t>(t) * K + j] == p;
+        if (p < 0 || counted) continue;
+        const float* src = job.pair_dx + static_cast<size_t>(p) * H;
+        if (first) std::copy(src, src + H, d);
+        else
+          for (size_t c = 0; c < H; ++c) d[c] += src[c];
+        first = false;
+      }
+      if (first) std::fill(d, d + H, 0.0f);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace bwd
+}  // namespace moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExpertsBackward, moe::bwd::BackwardCall,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // g [T, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // indices [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // out_weight [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // in_scale [T, K] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate|up bias [E, 2I] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // down bias [E, H] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // NVFP4 scale2 [3, E] or [0]
+                                  .RemainingArgs()               // the weight buffers
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dx [T, H]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // d out_weight [T, K]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // d in_scale [T, K] or [0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // d gate|up bias [E, 2I] or [0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // d down bias [E, H] or [0]
+                                  .RemainingRets()               // the weight gradients (none: base frozen)
+                                  .Attr<int64_t>("fmt")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("intermediate")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("fields_per_proj")
+                                  .Attr<int64_t>("per_expert")
+                                  .Attr<int64_t>("act_kind")
+                                  .Attr<int64_t>("has_limit")
+                                  .Attr<float>("limit")
+                                  .Attr<float>("alpha")
+                                  .Attr<int64_t>("clamp_after")
+                                  .Attr<int64_t>("max_threads"));

@@ -1,0 +1,277 @@
+"""The native backward (csrc/backward_cpu.cc, `moejax.backends.native.routed_backward`): gradients against
+`jax.grad` of the dense reference for dense float32 / bfloat16 / float16 experts in both layouts, every activation,
+biases and input scales at awkward sizes; the same bits run to run, with one thread or the pool, and for a row
+whatever its neighbours; the formats it does not read fall back to the grouped JAX backward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from native_inputs import ACTIVATIONS, dense, rows
+
+import moejax
+from moejax import backends
+from moejax.backends import native
+from moejax.experts import Slots
+from moejax.weights import FusedExpertWeights, to_layout
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="moejax._native_cpu is not built")
+
+LAYOUTS = ("stacked", "per_expert", "stacked_fused")
+
+
+def _experts(E, H, I, *, dtype="float32", bias=False, seed=0, layout="stacked"):
+    """Random dense experts in `layout` ("stacked_fused": the `[out, in]` format stacked)."""
+    experts = dense(E, H, I, dtype=dtype, bias=bias, seed=seed)
+    if layout == "stacked_fused":
+        return FusedExpertWeights.from_dense(experts)
+    return to_layout(experts, layout)
+
+
+def _slots(T, K, E, seed, *, in_scale=False):
+    """Random slots: skipped ids (-1, >= E), a repeated expert in a row, a zero weight; input scales with
+    distinct ids per row."""
+    rng = np.random.default_rng(seed)
+    if in_scale:
+        idx = np.stack([rng.permutation(np.arange(-1, E + 2))[:K] for _ in range(T)]).astype(np.int32)
+    else:
+        idx = rng.integers(-1, E + 2, (T, K)).astype(np.int32)
+        if K > 1:
+            idx[0, 1] = idx[0, 0]
+    w = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
+    w[(idx < 0) | (idx >= E)] = 0.0
+    if T > 2 and K > 1:
+        w[2, 0] = 0.0  # a chosen expert of weight 0: no output, but a weight gradient
+    scale = jnp.asarray(rng.uniform(0.5, 1.5, (T, K)).astype(np.float32)) if in_scale else None
+    return Slots(jnp.asarray(idx), jnp.asarray(w), scale)
+
+
+def _grads(impl, experts, x, slots, act, probe):
+    """Gradients of `<routed, probe>` w.r.t. the experts, x, the output weights and the input scales."""
+
+    def loss(experts, x, out_weight, in_scale):
+        s = Slots(slots.indices, out_weight, in_scale)
+        return jnp.sum(backends.run_routed(impl, experts, x, s, act) * probe)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(experts, x, slots.out_weight, slots.in_scale)
+
+
+def _reference_grads(experts, x, slots, act, probe):
+    """The reference's gradients, on the float32 `[in, out]` stacked view, brought back to `experts`' format."""
+    stacked = to_layout(experts, "stacked")
+    if isinstance(stacked, FusedExpertWeights):
+        stacked = stacked.as_dense()
+    got = _grads("reference", stacked, x, slots, act, probe)
+    d = got[0]
+    if isinstance(experts, FusedExpertWeights):
+        d = FusedExpertWeights.from_dense(d)
+    return (to_layout(d, experts.layout), *got[1:])
+
+
+def _assert_close(got, want, tol):
+    flat_got, flat_want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(flat_got) == len(flat_want)
+    for g, w in zip(flat_got, flat_want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        scale = max(float(np.abs(w).max()), 1e-3)
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * scale)
+
+
+def _jaxpr(fn, *args) -> str:
+    return str(jax.make_jaxpr(fn)(*args))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    act=st.sampled_from(sorted(ACTIVATIONS)),
+    sizes=st.sampled_from([(1, 13, 7, 1, 1), (7, 24, 11, 5, 5), (300, 20, 9, 6, 2), (5, 37, 19, 3, 2)]),
+    bias=st.booleans(),
+    in_scale=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_float32_grads_equal_the_reference(layout, act, sizes, bias, in_scale, seed):
+    """T = 1, 7, 300; H, I not multiples of 8; E = 1; top-k = E; skipped ids; a repeated expert; a zero weight."""
+    T, H, I, E, K = sizes
+    experts = _experts(E, H, I, bias=bias, seed=seed, layout=layout)
+    x, slots, act = rows(T, H, seed + 1), _slots(T, K, E, seed + 2, in_scale=in_scale), ACTIVATIONS[act]
+    probe = rows(T, H, seed + 3)
+    got = _grads("native", experts, x, slots, act, probe)
+    want = _reference_grads(experts, x, slots, act, probe)
+    _assert_close(got, want, 2e-4)
+    assert float(jnp.abs(got[1]).max()) > 1e-3 or not bool(jnp.any(slots.out_weight > 0))
+
+
+def test_the_native_backward_runs_under_native_and_auto():
+    """The grad program calls the C++ backward where the native forward runs (under "auto" beside the other
+    candidates' program for other platforms, chosen while lowering; under "native" alone: no grouped JAX loop)."""
+    E, H, I, T, K = 4, 16, 8, 6, 2
+    experts, x, slots, act = _experts(E, H, I), rows(T, H), _slots(T, K, E, 1), ACTIVATIONS["silu"]
+    for impl in ("native", "auto"):
+        loss = lambda e, x, impl=impl: jnp.sum(backends.run_routed(impl, e, x, slots, act))
+        text = _jaxpr(jax.grad(loss, argnums=(0, 1)), experts, x)
+        assert native.BACKWARD_TARGET in text, impl
+        assert impl == "auto" or "while" not in text
+
+
+@pytest.mark.parametrize("dtype, tol", [("bfloat16", 1e-2), ("float16", 2e-3)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_16bit_weights_accumulate_in_float32(dtype, tol, layout):
+    """16-bit parameters: the reference's gradients (float32 math on the widened weights), in the weights' dtype."""
+    E, H, I, T, K = 4, 24, 17, 12, 2
+    experts = _experts(E, H, I, dtype=dtype, bias=True, layout=layout)
+    x, slots, act, probe = rows(T, H, 1), _slots(T, K, E, 2), ACTIVATIONS["gpt_oss"], rows(T, H, 3)
+    got = _grads("native", experts, x, slots, act, probe)
+    want = _reference_grads(experts, x, slots, act, probe)
+    assert all(leaf.dtype == jnp.dtype(dtype) for leaf in jax.tree.leaves(got[0]))
+    _assert_close(got, want, tol)
+
+
+def test_frozen_base_gives_input_gradients_only():
+    """Gradients w.r.t. x and the weights of the slots alone: no weight gradient is formed (none is returned)."""
+    E, H, I, T, K = 5, 24, 12, 9, 3
+    experts, x, slots, probe = _experts(E, H, I), rows(T, H, 1), _slots(T, K, E, 2), rows(T, H, 3)
+    act = ACTIVATIONS["silu"]
+
+    def loss(x, out_weight, impl):
+        return jnp.sum(backends.run_routed(impl, experts, x, Slots(slots.indices, out_weight), act) * probe)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    _assert_close(grad(x, slots.out_weight, "native"), grad(x, slots.out_weight, "reference"), 2e-4)
+    text = _jaxpr(jax.grad(lambda x, w: loss(x, w, "native"), argnums=(0, 1)), x, slots.out_weight)
+    call = next(line for line in text.splitlines() if native.BACKWARD_TARGET in line)
+    assert f"f32[{E},{H},{I}]" not in call  # no weight gradient among the call's results
+
+
+def _backward(experts, x, slots, act, g, threads):
+    perturbed = (jax.tree.map(lambda _: True, experts), True, Slots(False, True, slots.in_scale is not None, None))
+    run = lambda experts, x, slots, g: native.routed_backward(experts, x, slots, act, g, perturbed, max_threads=threads)
+    return jax.jit(run)(experts, x, slots, g)
+
+
+def _bits(tree) -> list[np.ndarray]:
+    return [np.asarray(leaf).view(np.uint8) for leaf in jax.tree.leaves(tree) if leaf.dtype != jax.dtypes.float0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bits_are_the_same_run_to_run_and_at_any_thread_count(layout):
+    E, H, I, T, K = 6, 40, 24, 70, 3  # 70 rows: experts with more than one block of 64 rows
+    experts = _experts(E, H, I, bias=True, layout=layout)
+    x, slots, act, g = rows(T, H, 1), _slots(T, K, E, 2, in_scale=True), ACTIVATIONS["gpt_oss"], rows(T, H, 3)
+    first = _bits(_backward(experts, x, slots, act, g, 0))
+    for threads in (0, 1, 2, 3):
+        again = _bits(_backward(experts, x, slots, act, g, threads))
+        assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True)), threads
+
+
+def test_a_rows_input_gradient_does_not_depend_on_its_neighbours():
+    """Row 0's dx and slot gradients alone, among 4 rows, and among 150 rows (other blocks of its experts): the
+    same bits."""
+    E, H, I, K = 3, 40, 24, 2
+    experts, act = _experts(E, H, I, bias=True), ACTIVATIONS["silu"]
+    x, g = rows(150, H, 1), rows(150, H, 3)
+    slots = Slots(jnp.asarray(np.random.default_rng(4).integers(0, E, (150, K)), jnp.int32), jnp.full((150, K), 0.5))
+    results = []
+    for n in (1, 4, 150):
+        s = Slots(slots.indices[:n], slots.out_weight[:n])
+        _, dx, ds = _backward(experts, x[:n], s, act, g[:n], 0)
+        results.append((np.asarray(dx[0]), np.asarray(ds.out_weight[0])))
+    for dx, dw in results[1:]:
+        assert np.array_equal(dx.view(np.uint32), results[0][0].view(np.uint32))
+        assert np.array_equal(dw.view(np.uint32), results[0][1].view(np.uint32))
+
+
+QUANTIZED = {
+    "int8": ("int8", {"group_size": 16}),
+    "int8_channel_asym": ("int8", {"group_size": None, "symmetric": False}),
+    "int4_asym": ("int4", {"group_size": 16, "symmetric": False}),
+    "fp8_block": ("fp8_block", {}),
+    "mxfp4": ("mxfp4", {}),
+    "nvfp4": ("nvfp4", {}),
+}
+
+
+def _quantized(name, layout, bias=False):
+    kind, kwargs = QUANTIZED[name]
+    extra = {"expert_bias": True} if bias else {}
+    cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=5, top_k=2, hidden_size=160, intermediate_size=96, **extra)
+    q = moejax.quantize(moejax.init_params(cfg, jax.random.key(0), layout="stacked"), cfg, kind, **kwargs)
+    return q.experts, to_layout(q.experts, layout)
+
+
+def _input_grads(impl, experts, x, slots, act, probe):
+    def loss(x, out_weight, in_scale):
+        s = Slots(slots.indices, out_weight, in_scale)
+        return jnp.sum(backends.run_routed(impl, experts, x, s, act) * probe)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, slots.out_weight, slots.in_scale)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+@pytest.mark.parametrize("fmt", sorted(QUANTIZED))
+def test_quantized_bases_give_the_reference_input_gradients(fmt, layout):
+    """QLoRA-style: the base frozen and quantized, gradients w.r.t. x, the slots' weights and input scales through
+    the weights decoded as the forward decodes them; the program calls the native backward."""
+    stacked, experts = _quantized(fmt, layout)
+    T = 11
+    x, slots, probe = rows(T, 160, 1), _slots(T, 2, 5, 2, in_scale=True), rows(T, 160, 3)
+    act = ACTIVATIONS["gpt_oss"]
+    got = _input_grads("native", experts, x, slots, act, probe)
+    want = _input_grads("reference", stacked, x, slots, act, probe)
+    _assert_close(got, want, 2e-4)
+    loss = lambda x: jnp.sum(backends.run_routed("native", experts, x, slots, act) * probe)
+    assert native.BACKWARD_TARGET in _jaxpr(jax.grad(loss), x)
+
+
+def test_what_the_native_backward_does_not_read_falls_back_to_the_grouped_backward():
+    """A differentiated quantized base and int8 activations: the grouped JAX backward, gradients the reference's."""
+    cfg = moejax.MoEConfig.preset("qwen3_moe", num_experts=4, top_k=2, hidden_size=64, intermediate_size=32)
+    params = moejax.init_params(cfg, jax.random.key(0), layout="stacked")
+    a8 = moejax.quantize(params, cfg, "int4", group_size=32, activations="int8").experts
+    int8 = moejax.quantize(params, cfg, "int8", group_size=16).experts
+    T = 5
+    x, slots, act, probe = rows(T, 64, 1), _slots(T, 2, 4, 2), ACTIVATIONS["silu"], rows(T, 64, 3)
+
+    def loss(x, experts, impl):
+        return jnp.sum(backends.run_routed(impl, experts, x, slots, act) * probe)
+
+    text = _jaxpr(jax.grad(lambda x: loss(x, a8, "native")), x)
+    assert native.BACKWARD_TARGET not in text
+    _assert_close(jax.grad(loss)(x, a8, "native"), jax.grad(loss)(x, a8, "reference"), 2e-4)
+    text = _jaxpr(jax.grad(lambda e: loss(x, e, "native"), allow_int=True), int8)
+    assert native.BACKWARD_TARGET not in text
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+def test_grad_program_memory_does_not_grow_with_the_number_of_experts(layout):
+    """The compiled temporary memory of the native grad program stays within 2·T·K·(H+3I)·4 bytes at E = 16 and
+    128 (same T, K), plus the gradient outputs for the per-expert layout (compiled from shapes alone)."""
+    T, K, H, I = 64, 4, 32, 16
+    act, x, probe = ACTIVATIONS["silu"], rows(T, H, 1), rows(T, H, 3)
+    temp = {}
+    for E in (16, 128):
+        experts = jax.eval_shape(lambda E=E: _experts(E, H, I, layout=layout))
+        slots = _slots(T, K, E, 2)
+        loss = lambda e, x, s=slots: jnp.sum(backends.run_routed("native", e, x, s, act) * probe)
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(experts, x).compile()
+        temp[E] = compiled.memory_analysis().temp_size_in_bytes
+    budget = {E: 2 * T * K * (H + 3 * I) * 4 + (3 * E * H * I * 4 if layout == "per_expert" else 0) for E in temp}
+    assert all(temp[E] <= budget[E] for E in temp), (temp, budget)
+
+
+def test_the_isa_variants_agree(monkeypatch):
+    """AVX-512 and AVX2 run the same chains of fmas (the same bits); the portable variant is within float32
+    rounding (on x86-64 it has no fused multiply-add). The variant is read per call (MOEJAX_NATIVE_ISA)."""
+    E, H, I, T, K = 4, 40, 24, 30, 3
+    experts = _experts(E, H, I, bias=True)
+    x, slots, act, g = rows(T, H, 1), _slots(T, K, E, 2, in_scale=True), ACTIVATIONS["gelu_tanh"], rows(T, H, 3)
+    results = {}
+    for isa in ("avx512", "avx2", "generic"):
+        monkeypatch.setenv("MOEJAX_NATIVE_ISA", isa)
+        results[isa] = _backward(experts, x, slots, act, g, 0)
+    assert all(np.array_equal(a, b) for a, b in zip(_bits(results["avx512"]), _bits(results["avx2"]), strict=True))
+    floats = lambda tree: [leaf for leaf in jax.tree.leaves(tree) if leaf.dtype != jax.dtypes.float0]
+    _assert_close(floats(results["generic"]), floats(results["avx512"]), 1e-5)
