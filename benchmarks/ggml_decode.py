@@ -97,7 +97,8 @@ def ggml_times(binary: pathlib.Path, types: set[str], ns: set[int]) -> dict[tupl
     """(type, n_mats, n) -> us per run of ggml's MUL_MAT_ID perf cases (the plain op, not the fused one)."""
     names = "|".join(sorted(types))
     sizes = "|".join(str(n) for n in sorted(ns))
-    pattern = rf"^type_a=({names}),type_b=f32,n_mats=(128|32),n_used=\d+,b=0,m=\d+,n=({sizes}),k="
+    shapes = "|".join(f"n_mats={s['n_mats']},n_used={s['n_used']},b=0,m={s['m']}" for s in (QWEN, GPT_OSS))
+    pattern = rf"^type_a=({names}),type_b=f32,({shapes}),n=({sizes}),k="
     cmd = [str(binary), "perf", "-o", "MUL_MAT_ID", "-b", "CPU", "-p", pattern]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     times = {}
@@ -137,7 +138,11 @@ def moejax_times(name: str, ns: list[int], steps: int, rounds: int) -> dict[int,
 
     @jax.jit
     def run(p, x):  # the same n tokens every step: the same experts (in cache), as ggml's fixed ids
-        return jax.lax.scan(lambda c, _: (c + moejax.moe_forward(p, x, cfg, impl="native"), None), x, None, steps)[0]
+        def step(c, _):  # x tied to the carry: else XLA hoists the loop-invariant layer out of the scan
+            xb, c = jax.lax.optimization_barrier((x, c))
+            return c + moejax.moe_forward(p, xb, cfg, impl="native"), None
+
+        return jax.lax.scan(step, x, None, steps)[0]
 
     out = {}
     for n in ns:
