@@ -168,6 +168,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8, help="decode steps per jitted call (n=512: 1)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", nargs="?", const="", default=None, help="write a results file")
+    parser.add_argument("--note", default="", help="a sentence added to the results file's notes")
     args = parser.parse_args()
     if args.build:
         if args.ggml is None:
@@ -188,23 +189,25 @@ def main() -> int:
             mj |= moejax_times(name, [512], 1, max(2, args.rounds // 2))
         shape = PAIRS[name][3]
         for t in PAIRS[name][2]:
+            row = {"moejax": name, "ggml": t}  # one row per pair: the ratio per n, then both times per n
+            times = {}
             for n in args.n:
-                g = ggml.get((t, shape["n_mats"], n))
-                ratio = None if g is None or mj[n] is None else g / mj[n]
-                ours = None if mj[n] is None else round(mj[n], 1)
-                rows.append({"moejax": name, "ggml": t, "n": n, "ggml_us": g, "moejax_us": ours,
-                             "ggml_over_moejax": None if ratio is None else round(ratio, 3)})  # fmt: skip
-                gs = "-" if g is None else f"{g:.1f}"
+                g, ours = ggml.get((t, shape["n_mats"], n)), mj[n]
+                ratio = None if g is None or ours is None else g / ours
+                row[f"n={n}"] = None if ratio is None else round(ratio, 2)
+                times[f"us n={n}"] = f"{'-' if g is None else round(g)} / {'-' if ours is None else round(ours)}"
                 rs = "-" if ratio is None else f"{ratio:.2f}"
-                ms = "-" if ours is None else f"{ours:.1f}"
+                gs, ms = times[f"us n={n}"].split(" / ")
                 print(f"{name:9s} {t:6s} {n:4d} {gs:>9s} {ms:>9s} {rs:>11s}", flush=True)
+            rows.append(row | times)
     if args.json is not None:
         notes = (
-            "us per projection (one of gate/up/down) of n tokens; ggml_over_moejax above 1: moejax faster. ggml: "
+            "n=N: ggml's time / moejax's per projection (one of gate/up/down) of N tokens, above 1: moejax faster; "
+            "us n=N: ggml's / moejax's microseconds. ggml: "
             "test-backend-ops perf MUL_MAT_ID (Qwen3-30B-A3B n_mats=128,n_used=8,m=768,k=2048; MXFP4 at gpt-oss-20b's "
             "n_mats=32,n_used=4,m=2880,k=2880); moejax: the native routed layer in a jitted scan, per step / 3. "
-            "Both on all cores of a machine shared with other jobs."
-        )
+            "Both on all cores of this machine. " + args.note
+        ).strip()
         date = time.strftime("%Y-%m-%d")
         path = args.json or report.RESULTS / f"ggml_decode_{date}.json"
         report.write("ggml_decode", rows, path, notes=notes)
