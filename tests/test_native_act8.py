@@ -212,13 +212,14 @@ def test_lora_deltas_stay_float32_beside_int8_activations():
     assert _rel_err(native.routed_experts(experts, x, slots, act), want) <= TIGHT
 
 
-def test_the_reference_and_the_xla_plans_run_the_same_emulation():
+@pytest.mark.parametrize("name", ["mxfp4", "int8_g10_asym"])
+def test_the_reference_and_the_xla_plans_run_the_same_emulation(name):
     """reference_routed and the XLA decode plan (what "auto" falls back to without the extension) against the
     oracle, in one program."""
-    experts = _experts("mxfp4")
-    x, slots, act = _x(3, 96), _slots(3, 2, 4), ACTIVATIONS["silu"]
+    experts = _experts(name)
+    x, slots, act = _x(3, FORMATS[name][2]), _slots(3, 2, 4), ACTIVATIONS["silu"]
     run = lambda e, x, s: [backends.run_routed(impl, e, x, s, act) for impl in ("reference", "xla_decode")]
-    want = _oracle("mxfp4", x, slots, act)
+    want = _oracle(name, x, slots, act)
     for impl, got in zip(("reference", "xla_decode"), jax.jit(run)(experts, x, slots), strict=True):
         assert _rel_err(got, want) <= TIGHT, impl
 
