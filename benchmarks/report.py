@@ -36,9 +36,9 @@ REQUIRED = ("benchmark", "machine", "date", "command", "results")
 MACHINE = ("cpu", "isa", "cores")
 # The page's order; a benchmark not listed here follows, by name.
 ORDER = (
-    "vs_hf", "quant_bench", "ggml_decode", "native_kernels_decode", "native_kernels_prefill", "compile_time", "native_lora",
-    "lora_bench", "quant_accuracy", "ep_bench", "ep_memory", "placement", "bench", "cuda_compile", "tpu_compile",
-    "tpu_compile_ep", "gpu_bench", "tpu_bench", "suite",
+    "vs_hf", "quant_bench", "ggml_decode", "native_kernels_decode", "native_kernels_prefill", "compile_time",
+    "native_lora", "lora_bench", "quant_accuracy", "ep_bench", "ep_memory", "placement", "bench", "cuda_compile",
+    "tpu_compile", "tpu_compile_ep", "gpu_bench", "tpu_bench", "suite",
 )  # fmt: skip
 TITLES = {
     "vs_hf": "Next to Hugging Face's MoE block (`benchmarks/vs_hf.py`)",
