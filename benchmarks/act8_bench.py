@@ -1,4 +1,4 @@
-"""int8 activations for 4-bit weights (`Scheme.activations="int8"`) in the native kernels: their error and speed.
+"""int8 activations for int8 and 4-bit weights (`Scheme.activations="int8"`) in the native kernels: error and speed.
 
     JAX_PLATFORMS=cpu python benchmarks/act8_bench.py [--experts 16] [--rows 64]          # the error
     JAX_PLATFORMS=cpu python benchmarks/act8_bench.py --speed [--threads 2] [--rounds 20] [--formats mxfp4 ...]
@@ -8,10 +8,10 @@ Qwen3-30B-A3B-sized expert (H=2048, I=768, top-8 of `--experts`), random normal 
 inputs; "outliers": each row also has 8 channels (the same for every row) at 30x the others' scale, as in LLM
 activations. Printed per format: the relative Frobenius error of the routed output with int8 activations against
 the same quantized weights with float32 activations ("a8 vs a32"), and for scale the weights' own quantization
-error (float32 activations, quantized vs dense weights: "w4 vs dense").
+error (float32 activations, quantized vs dense weights: "weights vs dense").
 
 Speed: the routed experts' FFI call alone (no router, no shared expert), decode T=1, top-8 of the layer's 128
-experts in the per-expert layout, a new token and new experts each round, each 4-bit format with float32 and with
+experts in the per-expert layout, a new token and new experts each round, each format with float32 and with
 int8 activations, rounds interleaved; min and median ms of wall and of process CPU time (all threads), and the
 float32-activation time over the int8 one.
 """
@@ -34,6 +34,8 @@ from moejax.weights import ExpertWeights
 from pallas_kernels.activations import GatedActivation
 
 FORMATS = {
+    "int8 g128": ("int8", {}),
+    "int8 g32": ("int8", {"group_size": 32}),
     "int4 g128": ("int4", {}),
     "int4 g128 asym": ("int4", {"symmetric": False}),
     "mxfp4": ("mxfp4", {}),
@@ -98,7 +100,8 @@ def main() -> None:
     act = GatedActivation("silu")
     rel = lambda a, b: float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
     print(f"H={H} I={I} E={E} K={K} T={T}, silu; relative Frobenius error of the routed output")
-    for label, (name, options) in FORMATS.items():
+    for label in args.formats:
+        name, options = FORMATS[label]
         q32 = quantize_experts(dense, format_by_name(name, **options))
         q8 = format_by_name(name, activations="int8", **options)(**q32.fields())
         for inputs, xs in (("normal", x), ("outliers", outliers)):
@@ -106,7 +109,7 @@ def main() -> None:
             y_dense = native.routed_experts(dense, xs, slots, act)
             y32 = native.routed_experts(q32, xs, slots, act)
             y8 = native.routed_experts(q8, xs, slots, act)
-            print(f"{label:15s} {inputs:9s} a8 vs a32 {rel(y8, y32):.2e}   w4 vs dense {rel(y32, y_dense):.2e}")
+            print(f"{label:15s} {inputs:9s} a8 vs a32 {rel(y8, y32):.2e}   weights vs dense {rel(y32, y_dense):.2e}")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ REQUIRED = ("benchmark", "machine", "date", "command", "results")
 MACHINE = ("cpu", "isa", "cores")
 # The page's order; a benchmark not listed here follows, by name.
 ORDER = (
-    "vs_hf", "model_decode", "quant_bench", "native_kernels_decode", "native_kernels_prefill", "compile_time",
+    "vs_hf", "model_decode", "quant_bench", "ggml_decode", "native_kernels_decode", "native_kernels_prefill",
+    "compile_time",
     "native_lora", "lora_bench", "quant_accuracy", "ep_bench", "ep_memory", "placement", "bench", "cuda_compile",
     "tpu_compile", "tpu_compile_ep", "gpu_bench", "tpu_bench", "suite",
 )  # fmt: skip
@@ -44,6 +45,7 @@ TITLES = {
     "vs_hf": "Next to Hugging Face's MoE block (`benchmarks/vs_hf.py`)",
     "model_decode": "A whole tiny model's greedy decode loop, per impl (`benchmarks/model_decode.py`)",
     "quant_bench": "Decode by weight format, whole layer (`benchmarks/quant_bench.py`)",
+    "ggml_decode": "Next to ggml's MUL_MAT_ID, llama.cpp's CPU MoE matmul (`benchmarks/ggml_decode.py`)",
     "native_kernels_decode": "Native CPU kernels alone, decode (`benchmarks/native_kernels.py`)",
     "native_kernels_prefill": "Native CPU kernels alone, prefill (`benchmarks/native_kernels.py`)",
     "compile_time": "Compile time of a layer (`benchmarks/compile_time.py`)",

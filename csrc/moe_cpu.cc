@@ -444,7 +444,7 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
 
   Act8Job act8;  // int8 activations (act8.inc): act_group > 0, 4-bit formats only
   if (act_group < 0 || (act_group > 0 && !act8_format(job.fmt)))
-    return ffi::Error::InvalidArgument("moejax native: act_group > 0 needs int4, MXFP4 or NVFP4 weights");
+    return ffi::Error::InvalidArgument("moejax native: act_group > 0 needs int8, int4, MXFP4 or NVFP4 weights");
   if (act_group > 0) job.act8 = &act8;
 
   std::vector<float> scaled;

@@ -1,8 +1,8 @@
-"""int8 activations for 4-bit weights (`Scheme.activations="int8"`, csrc/act8*.inc): the definition by hand, the
-native kernels (AVX2 and portable, bit for bit) against the emulated float32 reference for int4 symmetric and
-asymmetric, MXFP4 and NVFP4 x SiLU and gpt-oss (shapes whose columns end mid-strip and groups of 3 code rows), a
-row's bits alone and inside batches, the XLA plans run the same emulation, the option off keeps today's bits,
-bad combinations raise naming the field, and one hypothesis test over shapes."""
+"""int8 activations for int8 and 4-bit weights (`Scheme.activations="int8"`, csrc/act8*.inc): the definition by
+hand, the native kernels (AVX-512 VNNI, AVX2 and portable, bit for bit) against the emulated float32 reference for
+int8 and int4 symmetric and asymmetric, MXFP4 and NVFP4 x SiLU and gpt-oss (shapes whose columns end mid-strip
+and groups of 3 code rows), a row's bits alone and inside batches, the XLA plans run the same emulation, the
+option off keeps today's bits, bad combinations raise naming the field, and one hypothesis test over shapes."""
 
 import functools
 import hashlib
@@ -28,8 +28,11 @@ built = pytest.mark.skipif(not native.available(), reason="moejax._native_cpu is
 
 ACTIVATIONS = {"silu": GatedActivation("silu"), "gpt_oss": GatedActivation("gpt_oss", limit=0.4, alpha=1.702)}
 # (format name, options, H, I): int4 columns ending mid-strip (I = 18, 22, H = 38, 42), groups of 6 inputs (3 code
-# rows: an odd last pair), a per-channel scheme (activation groups of 32, a partial last one).
+# rows: an odd last pair), a per-channel scheme (activation groups of 32, a partial last one); int8 groups of 10
+# (a last step of 2 of the 4 inputs an int32 lane takes), columns ending mid-way through a second strip (I = 70).
 FORMATS = {
+    "int8_g10_asym": ("int8", {"group_size": 10, "symmetric": False}, 50, 70),
+    "int8_channel_sym": ("int8", {"group_size": None}, 38, 70),
     "int4_g6_sym": ("int4", {"group_size": 6}, 42, 18),
     "int4_channel_asym": ("int4", {"group_size": None, "symmetric": False}, 38, 22),
     "mxfp4": ("mxfp4", {}, 96, 160),
@@ -173,11 +176,12 @@ def test_kernel_matches_the_emulated_reference(name, act_name):
 
 
 @built
-def test_a_rows_bits_do_not_depend_on_the_batch_or_threads():
+@pytest.mark.parametrize("name", ["int4_channel_asym", "int8_g10_asym"])
+def test_a_rows_bits_do_not_depend_on_the_batch_or_threads(name):
     """Row 0 alone, then at positions 0 / 4 / 8 of batches with other rows, on 1 thread and on all of them."""
-    experts = _experts("int4_channel_asym", E=6)
+    experts = _experts(name, E=6)
     act = ACTIVATIONS["silu"]
-    H = FORMATS["int4_channel_asym"][2]
+    H = FORMATS[name][2]
     x, slots = _x(9, H, seed=5), _slots(9, 4, 6, seed=6)
     row = lambda t: (x[t : t + 1], Slots(slots.indices[t : t + 1], slots.out_weight[t : t + 1]))
     alone = np.asarray(native.routed_experts(experts, *row(4), act, max_threads=1))[0]
@@ -208,13 +212,14 @@ def test_lora_deltas_stay_float32_beside_int8_activations():
     assert _rel_err(native.routed_experts(experts, x, slots, act), want) <= TIGHT
 
 
-def test_the_reference_and_the_xla_plans_run_the_same_emulation():
+@pytest.mark.parametrize("name", ["mxfp4", "int8_g10_asym"])
+def test_the_reference_and_the_xla_plans_run_the_same_emulation(name):
     """reference_routed and the XLA decode plan (what "auto" falls back to without the extension) against the
     oracle, in one program."""
-    experts = _experts("mxfp4")
-    x, slots, act = _x(3, 96), _slots(3, 2, 4), ACTIVATIONS["silu"]
+    experts = _experts(name)
+    x, slots, act = _x(3, FORMATS[name][2]), _slots(3, 2, 4), ACTIVATIONS["silu"]
     run = lambda e, x, s: [backends.run_routed(impl, e, x, s, act) for impl in ("reference", "xla_decode")]
-    want = _oracle("mxfp4", x, slots, act)
+    want = _oracle(name, x, slots, act)
     for impl, got in zip(("reference", "xla_decode"), jax.jit(run)(experts, x, slots), strict=True):
         assert _rel_err(got, want) <= TIGHT, impl
 
@@ -274,7 +279,7 @@ def test_the_option_off_gives_todays_bits(name):
 
 
 def test_bad_combinations_name_the_field():
-    for name, options in (("int8", {}), ("fp8_block", {})):
+    for name, options in (("fp8_block", {}),):
         with pytest.raises(NotImplementedError, match="activations='int8'"):
             Q.format_by_name(name, activations="int8", **options)
     with pytest.raises(ValueError, match="activations='bfloat16'"):
@@ -293,7 +298,7 @@ def test_bad_combinations_name_the_field():
 @built
 @settings(max_examples=5)
 @given(
-    fmt=st.sampled_from(["int4_sym", "int4_asym", "mxfp4", "nvfp4"]),
+    fmt=st.sampled_from(["int8_sym", "int8_asym", "int4_sym", "int4_asym", "mxfp4", "nvfp4"]),
     h_groups=st.integers(1, 5),
     i_groups=st.integers(1, 5),
     T=st.integers(1, 9),
@@ -302,10 +307,15 @@ def test_bad_combinations_name_the_field():
 def test_shapes(fmt, h_groups, i_groups, T, seed):
     """Against the reference with a looser bound: a 1-ulp difference of h between the kernel and XLA (std::exp vs
     XLA's) can flip one int8 code of the down input, an error of one quantization step of one element."""
-    kind, group = {"int4_sym": ("int4", 8), "int4_asym": ("int4", 8), "mxfp4": ("mxfp4", 32), "nvfp4": ("nvfp4", 16)}[
-        fmt
-    ]
-    options = {"group_size": group, "symmetric": fmt != "int4_asym"} if kind == "int4" else {}
+    kind, group = {
+        "int8_sym": ("int8", 6),
+        "int8_asym": ("int8", 14),
+        "int4_sym": ("int4", 8),
+        "int4_asym": ("int4", 8),
+        "mxfp4": ("mxfp4", 32),
+        "nvfp4": ("nvfp4", 16),
+    }[fmt]
+    options = {"group_size": group, "symmetric": not fmt.endswith("_asym")} if kind.startswith("int") else {}
     H, I, E = group * h_groups + 0, group * i_groups, 5
     experts = Q.quantize_experts(_dense(E, H, I, seed=seed), Q.format_by_name(kind, activations="int8", **options))
     x, slots = _x(T, H, seed), _slots(T, 2, E, seed)

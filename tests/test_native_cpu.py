@@ -606,12 +606,13 @@ def test_column_chunks_after_the_first_with_several_k_blocks_match_oracle():
 
 
 @built
-@pytest.mark.parametrize("fmt", ["float32_in_out", "int8_channel_asym", "int4_g32", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["float32_in_out", "int8_channel_asym", "int8_g16", "int4_g32", "mxfp4"])
 def test_one_row_experts_match_the_many_row_kernel_bit_for_bit(fmt):
-    """An expert with one row runs the one-row [in, out] kernel (weight rows in address order, two per pass, the
-    partial sums in memory, symmetric int offsets hoisted), one with several rows the register-tile kernel: a row
-    of a batch whose rows all share their experts equals the row alone bit for bit, and the oracle. H=544: K
-    blocks 256 + 256 + 32; float32 [in, out] with H=45, I=27: odd segments and partial vectors at each row's end."""
+    """An expert with one row runs the one-row [in, out] kernel (weight rows in address order, two per pass, the partial
+    sums in memory, symmetric int offsets hoisted: int8's code - 128 by a sign flip), one with several rows the
+    register-tile kernel: a row of a batch whose rows all share their experts equals the row alone bit for bit, and the
+    oracle. H=544: K blocks 256 + 256 + 32; float32 [in, out] with H=45, I=27: odd segments and partial vectors at each
+    row's end."""
     E, K, T = 3, 2, 5
     if fmt == "float32_in_out":
         H, I = 45, 27

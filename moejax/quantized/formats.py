@@ -42,7 +42,7 @@ class Scheme:
       FP4 kinds; FP8 uses 128x128 blocks).
     symmetric: int only; False adds a zero point per group.
     activations: what the projections' inputs are multiplied as: "float32" (weight-only, the default) or "int8"
-      (4-bit weights only: each row's input to each projection quantized to int8 per group of
+      (integer and 4-bit weights: each row's input to each projection quantized to int8 per group of
       `activation_group` inputs, `moejax.quantized.activations`; an explicit opt-in that changes the results).
     """
 
@@ -64,10 +64,10 @@ class Scheme:
             raise ValueError(f"{self.kind} is symmetric (no zero point)")
         if self.activations not in ("float32", "int8"):
             raise ValueError(f"activations={self.activations!r} is not one of 'float32', 'int8'")
-        if self.activations == "int8" and self.bits != 4:
+        if self.activations == "int8" and self.bits != 4 and self.kind != "int":
             raise NotImplementedError(
-                f"activations='int8' is implemented for 4-bit weights (int4, mxfp4, nvfp4), not {self.kind} "
-                f"with bits={self.bits}"
+                f"activations='int8' is implemented for integer and 4-bit weights (int8, int4, mxfp4, nvfp4), "
+                f"not {self.kind} with bits={self.bits}"
             )
 
     @property
@@ -335,8 +335,8 @@ def quantized_format(
     """The format class of one scheme (cached: the same scheme gives the same class).
 
     kind "int": `bits` 8 or 4, `group_size` (None: per output channel), `symmetric`. "fp8_block": 128x128
-    blocks. "mxfp4": group 32. "nvfp4": group 16. `activations`: "float32" (weight-only) or "int8" (4-bit
-    schemes; `Scheme.activations`), a class of its own (name suffix "A8") with the same arrays.
+    blocks. "mxfp4": group 32. "nvfp4": group 16. `activations`: "float32" (weight-only) or "int8" (int and
+    4-bit schemes; `Scheme.activations`), a class of its own (name suffix "A8") with the same arrays.
     """
     if kind == "int":
         scheme = Scheme("int", 8 if bits is None else bits, group_size, symmetric, activations)
@@ -373,7 +373,7 @@ FORMAT_NAMES = ("int8", "int4", "fp8_block", "mxfp4", "nvfp4")
 def format_by_name(name: str, **options: Any) -> type[QuantizedExperts]:
     """`"int8" | "int4"` (options group_size=128, symmetric=True; group_size=None per channel), `"fp8_block"`,
     `"mxfp4"`, `"nvfp4"` -> the format class. Every name takes `activations="float32" | "int8"` too
-    (`Scheme.activations`; "int8" only for the 4-bit ones)."""
+    (`Scheme.activations`; "int8" for all but fp8_block)."""
     activations = options.pop("activations", "float32")
     if name in ("int8", "int4"):
         unknown = set(options) - {"group_size", "symmetric"}
