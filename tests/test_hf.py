@@ -748,14 +748,14 @@ def test_both_layouts_match_the_oracle(name):
     assert flat_fused.keys() == flat_other.keys()
     for key in flat_fused:
         np.testing.assert_array_equal(flat_fused[key], flat_other[key], err_msg=key)
-    x = rng.standardnormal((7, H)).astype(np.float32)
+    x = rng.standard_normal((7, H)).astype(np.float32)
     np.testing.assert_allclose(_forward(from_fused, case, x), _oracle(case, x), rtol=1e-4, atol=1e-4)
 
 
 def test_longcat_case_uses_zero_experts():
     case = case_longcat_flash(np.random.default_rng(0))
     params = hf.params_from_hf(case.fused, case.cfg)
-    x = np.random.default_rng(1).standardnormal((7, H)).astype(np.float32)
+    x = np.random.default_rng(1).standard_normal((7, H)).astype(np.float32)
     routing = moejax.route(params, jnp.asarray(x), case.cfg)
     assert 0 < int((routing.indices >= case.cfg.num_experts).sum()) < routing.indices.size
 
@@ -780,7 +780,7 @@ def test_swapped_gate_up_is_detected(name):
     rng = np.random.default_rng(7)
     case = CASES[name](rng)
     swapped = _swap_halves(case)
-    x = rng.standardnormal((7, H)).astype(np.float32)
+    x = rng.standard_normal((7, H)).astype(np.float32)
     got = _forward(hf.params_from_hf(swapped.fused, case.cfg), case, x)
     assert not np.allclose(got, _oracle(case, x), rtol=1e-3, atol=1e-3)
 
@@ -825,7 +825,7 @@ def test_params_to_hf_round_trip(family, layout):
         if name == "router.tid2eid":
             flat[name] = jnp.asarray(rng.integers(0, cfg.num_selectable, shape), jnp.int32)
         else:
-            flat[name] = jnp.asarray(rng.standardnormal(shape), jnp.float32)
+            flat[name] = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     params = unflatten(flat)
     written = hf.params_to_hf(params, cfg, layout, family=family)
     back = hf.params_from_hf(written, cfg, layout="stacked", family=family)
@@ -1005,7 +1005,7 @@ def test_read_file_returns_what_was_written(tmp_path, dtype):
     """bfloat16 / float8 come from the file bytes (safetensors' numpy reader fails on float8, and on bfloat16 in
     0.4), the other dtypes from safetensors: all equal, byte for byte, to what safetensors wrote."""
     rng = np.random.default_rng(0)
-    tensors = {"a": rng.standardnormal((3, 5)).astype(dtype), "b": rng.standardnormal((4,)).astype(dtype)}
+    tensors = {"a": rng.standard_normal((3, 5)).astype(dtype), "b": rng.standard_normal((4,)).astype(dtype)}
     path = str(tmp_path / "x.safetensors")
     save_file(tensors, path)
     got = hf.files.read_file(path, ["b", "a"])
