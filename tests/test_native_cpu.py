@@ -18,6 +18,7 @@ from native_inputs import ACTIVATIONS
 from native_inputs import dense as _dense
 from native_inputs import rows as _x
 from native_inputs import slots as _slots
+from oracles import assert_close, routed_sum
 
 import moejax
 from moejax import backends
@@ -25,7 +26,6 @@ from moejax import quantized as Q
 from moejax.backends import native
 from moejax.experts import Slots
 from moejax.weights import ExpertWeights, FusedExpertWeights, PerExpert, to_layout
-from pallas_kernels.activations import GatedActivation
 
 built = pytest.mark.skipif(not native.available(), reason="moejax._native_cpu is not built")
 
@@ -40,58 +40,6 @@ QUANTIZED = {
     "nvfp4": ("nvfp4", {}),
 }
 DENSE = ("float32", "bfloat16", "float16")
-
-
-# -- the oracle ---------------------------------------------------------------------------------------------------
-
-
-def _act_np(act: GatedActivation, g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    sig = lambda z: 1 / (1 + np.exp(-z))
-    if act.kind == "gpt_oss":
-        g, u = np.minimum(g, act.limit), np.clip(u, -act.limit, act.limit)
-        return (u + 1) * g * sig(act.alpha * g)
-    f = (
-        (lambda z: z * sig(z))
-        if act.kind == "silu"
-        else (lambda z: 0.5 * z * (1 + np.tanh(0.7978845608 * (z + 0.044715 * z**3))))
-    )
-    if act.limit is None:
-        return f(g) * u
-    u = np.clip(u, -act.limit, act.limit)
-    return (
-        f(np.minimum(g, act.limit)) * u if act.clamp_order == "before_activation" else np.minimum(f(g), act.limit) * u
-    )
-
-
-def _oracle(experts, x, slots: Slots, act: GatedActivation) -> np.ndarray:
-    """float64 `Σ_e out_w[e, t] · E_e(scale[e, t] · x[t])` over the dequantized weights (reference_routed's form)."""
-    d = jax.tree.map(lambda a: np.asarray(a, np.float64), experts.dequantize())
-    x = np.asarray(x, np.float64)
-    idx = np.asarray(slots.indices)
-    w = np.asarray(slots.out_weight, np.float64)
-    s = None if slots.in_scale is None else np.asarray(slots.in_scale, np.float64)
-    out = np.zeros_like(x)
-    for e in range(d.gate.shape[0]):
-        hit = idx == e
-        rows = hit.any(1)
-        if not rows.any():
-            continue
-        xe = x[rows] if s is None else x[rows] * (s * hit).sum(1)[rows, None]  # summed input scales
-        g, u = xe @ d.gate[e], xe @ d.up[e]
-        if d.gate_bias is not None:
-            g, u = g + d.gate_bias[e], u + d.up_bias[e]
-        y = _act_np(act, g, u) @ d.down[e]
-        if d.down_bias is not None:
-            y = y + d.down_bias[e]
-        out[rows] += (w * hit).sum(1)[rows, None] * y
-    return out
-
-
-def _assert_close(got, want, what=""):
-    got = np.asarray(got)
-    scale = max(1.0, float(np.abs(want).max()))
-    err = float(np.abs(got - want).max()) if got.size else 0.0
-    assert err <= 3e-5 * scale, f"{what}: max error {err} (scale {scale})"
 
 
 # -- inputs -------------------------------------------------------------------------------------------------------
@@ -126,17 +74,17 @@ def _quantized(key: str, E=6, H=160, I=96, bias=False):
 
 @built
 @pytest.mark.parametrize("dtype", DENSE)
-def test_dense_formats_and_layouts_match_oracle(dtype):
+def test_dense_formats_and_layouts_matchrouted_sum(dtype):
     E, H, I, T, K = 7, 45, 27, 6, 3  # odd H and I: vector tails on both axes
     dense = _dense(E, H, I, dtype, bias=True)
     x = _x(T, H)
     slots = _slots(T, K, E, 0, in_scale=True)
     layouts = {"stacked": dense, "per_expert": _fused_per_expert(dense)}
     for act_name, act in ACTIVATIONS.items():
-        want = _oracle(dense, x, slots, act)
+        want = routed_sum(dense, x, slots, act)
         for layout, experts in layouts.items():
             got = native.routed_experts(experts, x, slots, act)
-            _assert_close(got, want, f"{dtype} {layout} {act_name}")
+            assert_close(got, want, what=f"{dtype} {layout} {act_name}")
 
 
 @built
@@ -148,10 +96,10 @@ def test_quantized_formats_match_dequantize_then_reference(key):
     slots = _slots(T, K, 6, 1, in_scale=key == "fp8_block")
     per_expert = to_layout(q, "per_expert")
     for act_name, act in ACTIVATIONS.items():
-        want = _oracle(q, x, slots, act)
-        _assert_close(native.routed_experts(q, x, slots, act), want, f"{key} stacked {act_name}")
+        want = routed_sum(q, x, slots, act)
+        assert_close(native.routed_experts(q, x, slots, act), want, what=f"{key} stacked {act_name}")
         if act_name == "gpt_oss":  # the per-expert layout reads the same arrays, one buffer per expert
-            _assert_close(native.routed_experts(per_expert, x, slots, act), want, f"{key} per-expert")
+            assert_close(native.routed_experts(per_expert, x, slots, act), want, what=f"{key} per-expert")
 
 
 @built
@@ -166,28 +114,28 @@ def test_quantized_formats_match_dequantize_then_reference(key):
     per_expert=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_dense_any_shape_matches_oracle(T, K, E, H, I, in_scale, per_expert, seed):
+def test_dense_any_shape_matchesrouted_sum(T, K, E, H, I, in_scale, per_expert, seed):
     dense = _dense(E, H, I, seed=seed)
     experts = _fused_per_expert(dense) if per_expert else dense
     slots = _slots(T, K, E, seed, in_scale=in_scale)
     x = _x(T, H, seed)
     act = ACTIVATIONS["silu"]
-    _assert_close(native.routed_experts(experts, x, slots, act), _oracle(dense, x, slots, act), "hypothesis")
+    assert_close(native.routed_experts(experts, x, slots, act), routed_sum(dense, x, slots, act), what="hypothesis")
 
 
 @built
-def test_prefill_many_rows_matches_oracle():
+def test_prefill_many_rows_matchesrouted_sum():
     E, H, I, T, K = 16, 33, 24, 300, 4
     dense = _dense(E, H, I, "bfloat16")
     x = _x(T, H)
     slots = _slots(T, K, E, 2)
     act = ACTIVATIONS["gelu_tanh"]
     got = jax.jit(lambda e, x, s: native.routed_experts(e, x, s, act))(_fused_per_expert(dense), x, slots)
-    _assert_close(got, _oracle(dense, x, slots, act), "prefill")
+    assert_close(got, routed_sum(dense, x, slots, act), what="prefill")
 
 
 @built
-def test_long_inputs_and_partial_strips_match_oracle():
+def test_long_inputs_and_partial_strips_matchrouted_sum():
     """Segments split at kBlockIn (per-channel int8 over 288 inputs), 75 = 64 + 11 output columns (a partial strip
     and vector) and the prefill kernel's K blocks (556 inputs: 512 + 40 or 256 + 256 + 40, a tail of 4) against the
     oracle; rows alone (few-row kernel) bit-identical to the same rows in a batch (K-blocked kernel)."""
@@ -204,7 +152,7 @@ def test_long_inputs_and_partial_strips_match_oracle():
         x, slots = _x(T, H, 5), _slots(T, K, E, 5, skipped=False)
         got = np.asarray(run(experts, x, slots))
         stacked = _unfuse(experts) if isinstance(experts, PerExpert) else experts
-        _assert_close(got, _oracle(stacked, x, slots, act), name)
+        assert_close(got, routed_sum(stacked, x, slots, act), what=name)
         for t in (0, T - 1):
             alone = run(experts, x[t : t + 1], Slots(slots.indices[t : t + 1], slots.out_weight[t : t + 1]))
             np.testing.assert_array_equal(np.asarray(alone)[0], got[t], err_msg=f"{name} row {t}")
@@ -241,7 +189,7 @@ def test_prefill_row_blocks_and_tiles_match_rows_alone_bit_for_bit(dtype, H, I, 
         ]
     finally:
         module.set_isa("best")
-    _assert_close(got[0], _oracle(dense, x, slots, act), dtype)
+    assert_close(got[0], routed_sum(dense, x, slots, act), what=dtype)
     for t in range(ids.size):
         for n in (1, 0):
             np.testing.assert_array_equal(
@@ -264,7 +212,7 @@ def test_special_codes_match_dequantize_then_reference():
     mx = _quantized("mxfp4")
     mx = type(mx)(**{**mx.fields(), "gate_scale": mx.gate_scale.at[e, 0, 3].set(255)})
     for name, experts in (("fp8", fp8), ("mxfp4", mx)):
-        want = _oracle(experts, x, slots, act)
+        want = routed_sum(experts, x, slots, act)
         assert np.isnan(want).any() and not np.isnan(want).all(), name
         got = np.asarray(native.routed_experts(experts, x, slots, act))
         scale = float(np.nanmax(np.abs(want)))
@@ -446,17 +394,17 @@ def generic_isa():
 
 
 @built
-def test_portable_variant_matches_oracle(generic_isa):
+def test_portable_variant_matchesrouted_sum(generic_isa):
     act = ACTIVATIONS["gpt_oss"]
     for key in QUANTIZED:
         q = _quantized(key)
         x, s = _x(3, 160), _slots(3, 2, 6, 0, in_scale=True)
-        _assert_close(native.routed_experts(q, x, s, act), _oracle(q, x, s, act), f"generic {key}")
+        assert_close(native.routed_experts(q, x, s, act), routed_sum(q, x, s, act), what=f"generic {key}")
     for dtype in DENSE:
         d = _dense(5, 19, 11, dtype)
         x, s = _x(4, 19), _slots(4, 2, 5, 0)
         for experts in (d, _fused_per_expert(d)):
-            _assert_close(native.routed_experts(experts, x, s, act), _oracle(d, x, s, act), f"generic {dtype}")
+            assert_close(native.routed_experts(experts, x, s, act), routed_sum(d, x, s, act), what=f"generic {dtype}")
 
 
 def _has_avx512() -> bool:
@@ -534,7 +482,7 @@ def test_avx512_variant_equals_the_avx2_variant_bit_for_bit(fmt):
         finally:
             module.set_isa("best")
         np.testing.assert_array_equal(got["avx512"], got["avx2"], err_msg=f"{fmt} T={T}")
-        _assert_close(got["avx512"], _oracle(reference, x, slots, act), f"{fmt} T={T}")
+        assert_close(got["avx512"], routed_sum(reference, x, slots, act), what=f"{fmt} T={T}")
 
 
 @built
@@ -590,7 +538,7 @@ def test_without_the_extension_auto_runs_the_cpu_plans(monkeypatch):
 
 
 @built
-def test_column_chunks_after_the_first_with_several_k_blocks_match_oracle():
+def test_column_chunks_after_the_first_with_several_k_blocks_matchrouted_sum():
     """[in, out] kernels over several K blocks (544 inputs: 256 + 256 + 32) in column chunks after the first (down's
     544 outputs: chunks of 256 + 256 + 32; gate/up's 288: 256 + 32, a partial strip), where the next block's tile is
     prefetched and the totals of a chunk wait between K blocks; a row alone bit-identical to it in a batch."""
@@ -600,7 +548,7 @@ def test_column_chunks_after_the_first_with_several_k_blocks_match_oracle():
     experts = _quantized("int4_g32", E=E, H=H, I=I)
     x, slots = _x(T, H, 7), _slots(T, K, E, 7, skipped=False)
     got = np.asarray(run(experts, x, slots))
-    _assert_close(got, _oracle(experts, x, slots, act), "int4_g32")
+    assert_close(got, routed_sum(experts, x, slots, act), what="int4_g32")
     alone = run(experts, x[2:3], Slots(slots.indices[2:3], slots.out_weight[2:3]))
     np.testing.assert_array_equal(np.asarray(alone)[0], got[2], err_msg="row 2 alone")
 
@@ -626,7 +574,7 @@ def test_one_row_experts_match_the_many_row_kernel_bit_for_bit(fmt):
     one = _slots(1, K, E, 11, skipped=False)
     slots = Slots(jnp.repeat(one.indices, T, 0), jnp.repeat(one.out_weight, T, 0))  # every row: the same experts
     got = np.asarray(run(x, slots))
-    _assert_close(got, _oracle(experts, x, slots, act), fmt)
+    assert_close(got, routed_sum(experts, x, slots, act), what=fmt)
     for t in (0, 3):
         alone = np.asarray(run(x[t : t + 1], one))[0]
         np.testing.assert_array_equal(alone, got[t], err_msg=f"{fmt}: row {t} alone")
@@ -653,7 +601,7 @@ def test_decode_whole_row_chunks_match_the_many_row_kernel_bit_for_bit(fmt):
     one = _slots(1, K, E, 5, skipped=False)
     slots = Slots(jnp.repeat(one.indices, T, 0), jnp.repeat(one.out_weight, T, 0))
     got = np.asarray(jax.jit(lambda x, s: native.routed_experts(experts, x, s, act))(x, slots))
-    _assert_close(got, _oracle(experts, x, slots, act), fmt)
+    assert_close(got, routed_sum(experts, x, slots, act), what=fmt)
     alone = jax.jit(lambda x, s: native.routed_experts(experts, x, s, act, max_threads=1))
     for t in (0, 3):
         np.testing.assert_array_equal(np.asarray(alone(x[t : t + 1], one))[0], got[t], err_msg=f"{fmt}: row {t}")

@@ -190,20 +190,27 @@ def routed_experts(
         empty if spec["scale2"] is None else spec["scale2"],
         *adapters,
         *spec["buffers"],
-        fmt=np.int64(spec["fmt"]),
-        num_experts=np.int64(E),
-        intermediate=np.int64(I),
-        group=np.int64(spec["group"]),
-        fields_per_proj=np.int64(spec["fields_per_proj"]),
-        per_expert=np.int64(spec["per_expert"]),
-        act_kind=np.int64(_ACT_KINDS[act.kind]),
-        has_limit=np.int64(act.limit is not None),
-        limit=np.float32(0.0 if act.limit is None else act.limit),
-        alpha=np.float32(act.alpha),
-        clamp_after=np.int64(act.clamp_order == "after_activation"),
-        max_threads=np.int64(max_threads),
+        **_attributes(spec, E, I, act, max_threads),
         act_group=np.int64(spec["act_group"]),
     )
+
+
+def _attributes(spec: dict, E: int, I: int, act: GatedActivation, max_threads: int) -> dict:
+    """The FFI attributes the forward and the backward calls share: the weights' format and the activation."""
+    return {
+        "fmt": np.int64(spec["fmt"]),
+        "num_experts": np.int64(E),
+        "intermediate": np.int64(I),
+        "group": np.int64(spec["group"]),
+        "fields_per_proj": np.int64(spec["fields_per_proj"]),
+        "per_expert": np.int64(spec["per_expert"]),
+        "act_kind": np.int64(_ACT_KINDS[act.kind]),
+        "has_limit": np.int64(act.limit is not None),
+        "limit": np.float32(0.0 if act.limit is None else act.limit),
+        "alpha": np.float32(act.alpha),
+        "clamp_after": np.int64(act.clamp_order == "after_activation"),
+        "max_threads": np.int64(max_threads),
+    }
 
 
 def _check_rows(x: Array, slots: Slots) -> tuple[int, int]:
@@ -432,18 +439,7 @@ def routed_backward(
         empty if d_bias is None else d_bias,
         empty if spec["scale2"] is None else spec["scale2"],
         *spec["buffers"],
-        fmt=np.int64(spec["fmt"]),
-        num_experts=np.int64(E),
-        intermediate=np.int64(I),
-        group=np.int64(spec["group"]),
-        fields_per_proj=np.int64(spec["fields_per_proj"]),
-        per_expert=np.int64(spec["per_expert"]),
-        act_kind=np.int64(_ACT_KINDS[act.kind]),
-        has_limit=np.int64(act.limit is not None),
-        limit=np.float32(0.0 if act.limit is None else act.limit),
-        alpha=np.float32(act.alpha),
-        clamp_after=np.int64(act.clamp_order == "after_activation"),
-        max_threads=np.int64(max_threads),
+        **_attributes(spec, E, I, act, max_threads),
     )
     if want_base:
         d_experts = _weight_cotangent(experts, d_weights, (d_gu_bias, d_d_bias) if has_bias else None)
