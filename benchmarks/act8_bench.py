@@ -28,8 +28,8 @@ from model_layers import MODEL_LAYERS  # this script's directory is on sys.path
 
 import moejax
 from moejax.backends import native
-from moejax.experts import Slots
 from moejax.quantized import format_by_name, quantize_experts
+from moejax.slots import Slots
 from moejax.weights import ExpertWeights
 from pallas_kernels.activations import GatedActivation
 

@@ -25,7 +25,7 @@ import numpy as np
 
 import moejax
 from moejax.backends import cpu
-from moejax.experts import Slots
+from moejax.slots import Slots
 from moejax.weights import ExpertWeights, FusedExpertWeights
 from pallas_kernels.activations import GatedActivation
 

@@ -27,9 +27,9 @@ import pallas_kernels
 from moejax.backends import pallas as kernel_plans
 from moejax.backends import xla as plans
 from moejax.config import MoEConfig
-from moejax.experts import Slots, combine_slots, expert_activation, slots_from_routing
 from moejax.params import init_params
 from moejax.routing import route
+from moejax.slots import Slots, combine_slots, expert_activation, slots_from_routing
 from pallas_kernels import GatedActivation
 
 Array = jax.Array

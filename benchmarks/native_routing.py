@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.backends import native
-from moejax.experts import Slots
+from moejax.slots import Slots
 from moejax.weights import ExpertWeights
 from pallas_kernels.activations import GatedActivation
 

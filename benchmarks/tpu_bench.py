@@ -37,8 +37,8 @@ from kernel_bench import ceilings, check_kernels, print_table, routed_inputs, ru
 
 import pallas_kernels  # noqa: E402
 from moejax.backends import pallas as kernel_plans  # noqa: E402
-from moejax.experts import expert_activation  # noqa: E402
 from moejax.quantized import format_by_name  # noqa: E402
+from moejax.slots import expert_activation  # noqa: E402
 
 QUANTIZED = ("int8", "int4", "fp8_block", "mxfp4", "nvfp4")
 

@@ -23,7 +23,6 @@ from moejax.backends.xla import grouped_block_rows
 from moejax.config import MoEConfig, ScalingTarget
 from moejax.dispatch import Dispatch, Local, Rows, mesh_of
 from moejax.eager import cached_when_eager
-from moejax.experts import Slots, expert_activation, shared_expert_ffn, slots_from_routing
 from moejax.lora import ExpertLoRA, LoRAParams, SharedLoRA, adapt, as_adapter_ids, check_lora, clamp_ids
 from moejax.params import MoEParams, SharedParams, check_params
 from moejax.routing import (
@@ -38,6 +37,7 @@ from moejax.routing import (
     router_logits,
     selectable,
 )
+from moejax.slots import Slots, expert_activation, shared_expert_ffn, slots_from_routing
 from moejax.stats import MoEStats
 from moejax.weights import Experts
 

@@ -5,7 +5,7 @@ shape)."""
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.experts import Slots
+from moejax.slots import Slots
 from moejax.weights import ExpertWeights
 from pallas_kernels.activations import GatedActivation
 

@@ -23,8 +23,8 @@ from tables import FULL
 import moejax
 from moejax import backends
 from moejax.backends import native
-from moejax.experts import Slots
 from moejax.params import with_experts_layout
+from moejax.slots import Slots
 from moejax.weights import to_layout
 
 # (T, H, I, E, K); a decode backend runs T = 3 for the rows past its size

@@ -15,7 +15,7 @@ from test_backends import random_slots
 import moejax
 from moejax import backends
 from moejax.backends import native
-from moejax.experts import Slots
+from moejax.slots import Slots
 from moejax.weights import to_layout
 
 

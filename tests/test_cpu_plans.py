@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from moejax.backends.cpu import decode_row_classes, switch_decode, switch_grouped
 from moejax.backends.xla import DECODE_MAX_SLOTS
-from moejax.experts import Slots
+from moejax.slots import Slots
 from moejax.weights import FusedExpertWeights
 from pallas_kernels.activations import GatedActivation
 

@@ -14,8 +14,8 @@ import moejax
 from moejax import backends
 from moejax.backends.reference import reference_routed
 from moejax.dispatch import Dispatch
-from moejax.experts import Slots
 from moejax.lora import LoRAPair, _target_shapes, from_pairs, stack
+from moejax.slots import Slots
 from moejax.stats import routing_stats
 from moejax.weights import ArraySpec, ExpertFormat, ExpertWeights
 

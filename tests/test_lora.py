@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moejax
-from moejax.experts import Slots, expert_activation
 from moejax.lora import LoRAPair, _target_shapes, adapt, from_pairs, merge, stack, unmerge
+from moejax.slots import Slots, expert_activation
 from moejax.weights import as_stacked
 
 PLANS = ("xla_decode", "xla_grouped", "cpu_decode", "cpu_grouped")

@@ -18,9 +18,9 @@ from moejax import backends
 from moejax import quantized as Q
 from moejax.backends import native
 from moejax.backends.reference import reference_routed
-from moejax.experts import Slots
 from moejax.lora import ExpertLoRA, LoRAPair, adapt
 from moejax.quantized.activations import int8_activations
+from moejax.slots import Slots
 from moejax.weights import ExpertWeights
 from pallas_kernels.activations import GatedActivation
 

@@ -14,7 +14,7 @@ from native_inputs import ACTIVATIONS, dense, rows
 import moejax
 from moejax import backends
 from moejax.backends import native
-from moejax.experts import Slots
+from moejax.slots import Slots
 from moejax.weights import FusedExpertWeights, to_layout
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="moejax._native_cpu is not built")

@@ -24,7 +24,7 @@ import moejax
 from moejax import backends
 from moejax import quantized as Q
 from moejax.backends import native
-from moejax.experts import Slots
+from moejax.slots import Slots
 from moejax.weights import ExpertWeights, FusedExpertWeights, PerExpert, to_layout
 
 built = pytest.mark.skipif(not native.available(), reason="moejax._native_cpu is not built")

@@ -20,8 +20,8 @@ import moejax
 from moejax import quantized as Q
 from moejax.backends import native
 from moejax.backends.reference import reference_routed
-from moejax.experts import Slots
 from moejax.lora import ExpertLoRA, LoRAPair, _target_shapes, adapt, clamp_ids, from_pairs, stack
+from moejax.slots import Slots
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="moejax._native_cpu is not built")
 

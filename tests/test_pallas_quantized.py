@@ -20,8 +20,8 @@ import pytest
 import pallas_kernels
 from moejax.backends import pallas as kernel_plans
 from moejax.backends.reference import reference_routed
-from moejax.experts import Slots
 from moejax.quantized import format_by_name
+from moejax.slots import Slots
 from pallas_kernels import GatedActivation, QuantizedWeight
 from pallas_kernels.gpu_decode import moe_decode_reference
 

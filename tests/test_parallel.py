@@ -23,10 +23,10 @@ from tables import table
 
 import moejax
 from moejax import dispatch, parallel, sharding
-from moejax.experts import shared_expert_ffn, slots_from_routing
 from moejax.forward import expert_input
 from moejax.params import flatten, with_experts_layout
 from moejax.placement import balance
+from moejax.slots import shared_expert_ffn, slots_from_routing
 
 TOL = {"rtol": 2e-5, "atol": 2e-5}
 # The grid runs small plans in both modes (replicated: the decode plan on T=8; all_to_all: 7 tokens, one per device

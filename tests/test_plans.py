@@ -13,7 +13,7 @@ from test_backends import check_layer, layer_forward, layer_inputs, layout_of
 
 import moejax
 from moejax.backends.xla import union_of_experts
-from moejax.experts import Slots, expert_activation, slots_from_routing
+from moejax.slots import Slots, expert_activation, slots_from_routing
 from moejax.weights import ExpertWeights, FusedExpertWeights
 
 FAMILIES = moejax.FAMILIES

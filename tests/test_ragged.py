@@ -13,7 +13,7 @@ from moejax import backends
 from moejax.backends import native
 from moejax.backends.ragged import ragged_grouped
 from moejax.backends.reference import reference_routed
-from moejax.experts import Slots
+from moejax.slots import Slots
 from moejax.weights import ExpertWeights
 from pallas_kernels.activations import GatedActivation
 

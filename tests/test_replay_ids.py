@@ -20,8 +20,8 @@ import moejax
 from moejax import backends
 from moejax import dispatch as D
 from moejax.backends import native
-from moejax.experts import Slots, expert_activation
 from moejax.sharding import shard_params
+from moejax.slots import Slots, expert_activation
 
 E, K = 8, 2
 CFG = moejax.MoEConfig.preset("qwen3_moe", hidden_size=16, intermediate_size=8, num_experts=E, top_k=K)

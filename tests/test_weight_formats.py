@@ -15,8 +15,8 @@ from tables import table
 
 import moejax
 from moejax import parallel, sharding
-from moejax.experts import expert_activation
 from moejax.params import array_specs, with_experts_layout
+from moejax.slots import expert_activation
 from moejax.weights import (
     ArraySpec,
     ExpertFormat,

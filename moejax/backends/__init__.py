@@ -1,7 +1,7 @@
 """The expert backends: the registry of routed-expert implementations and the one place `impl=` is resolved.
 
 A backend is one function `run(experts, x, slots, act, *, block_rows=None) -> [T, H]` float32 (the experts in
-any weight format and layout, or a wrapper of one such as `moejax.lora.adapt`'s; `moejax.experts.Slots`;
+any weight format and layout, or a wrapper of one such as `moejax.lora.adapt`'s; `moejax.slots.Slots`;
 `GatedActivation`; `block_rows`: the grouped block size where the caller fixes it, else ignored). It prepares
 the weights it needs itself and raises `NotImplementedError` at trace time for what it cannot serve. One module
 each: `reference`, `xla` (decode, grouped), `cpu` (decode, grouped: per-expert layout), `pallas` (the kernels),
@@ -43,7 +43,7 @@ from moejax.backends.backward import routed_vjp
 from moejax.backends.cpu import cpu_decode, cpu_grouped
 from moejax.backends.reference import reference_routed
 from moejax.backends.xla import decode_fits, decode_plan, grouped_plan
-from moejax.experts import Slots
+from moejax.slots import Slots
 from moejax.weights import Experts
 from pallas_kernels.activations import GatedActivation
 

@@ -35,9 +35,9 @@ import numpy as np
 
 from moejax.backends.reference import dequantized
 from moejax.backends.xla import grouped_block_rows
-from moejax.experts import Slots
 from moejax.lora import LoRAExpert, LoRAExperts
 from moejax.quantized.activations import Int8Inputs
+from moejax.slots import Slots
 from moejax.weights import ExpertWeights, FusedExpertWeights, PerExpert
 from pallas_kernels.activations import GatedActivation
 

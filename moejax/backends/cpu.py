@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.experts import Slots
+from moejax.slots import Slots
 from moejax.weights import Experts
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.gpu_decode import union_of_experts

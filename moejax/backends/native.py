@@ -6,7 +6,7 @@ pool. Weights are read as stored, in every format and both layouts: dense float3
 (`ExpertWeights` `[in, out]`, `FusedExpertWeights` `[out, in]`, the per-expert layout's storage on CPU),
 int8 / int4 group-wise symmetric and asymmetric, FP8 e4m3 with 128x128 blocks, MXFP4 and NVFP4
 (`moejax.quantized`). Weights are dequantized in registers; activations and accumulation are float32 (the
-numerics of `moejax.experts.reference_routed` on the dequantized weights, to float32 rounding). The 4-bit formats
+numerics of `moejax.slots.reference_routed` on the dequantized weights, to float32 rounding). The 4-bit formats
 with `Scheme.activations == "int8"` (an explicit option, never the default) run int8 activations against the
 4-bit codes in integers (csrc/act8.inc): `moejax.quantized.activations` defines the results and states the error.
 
@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.experts import Slots
 from moejax.lora import LoRAExperts, LoRAPair, clamp_ids
 from moejax.quantized import QuantizedExperts
+from moejax.slots import Slots
 from moejax.weights import ExpertFormat, ExpertWeights, FusedExpertWeights, PerExpert
 from pallas_kernels.activations import GatedActivation
 

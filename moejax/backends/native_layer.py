@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.backends import native
-from moejax.experts import Slots
 from moejax.lora import ExpertLoRA, FFNLoRA, LoRAExpert, LoRAExperts, LoRAPair, pair_delta
 from moejax.routing import xla_scores
+from moejax.slots import Slots
 from moejax.weights import ExpertWeights
 from pallas_kernels.activations import GatedActivation
 

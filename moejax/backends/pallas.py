@@ -33,8 +33,8 @@ import numpy as np
 import pallas_kernels
 from moejax.backends.backward import routed_vjp
 from moejax.backends.xla import decode_fits
-from moejax.experts import Slots
 from moejax.quantized import QuantizedExperts
+from moejax.slots import Slots
 from moejax.weights import Experts, ExpertWeights
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.grouped_backward import moe_grouped_vjp

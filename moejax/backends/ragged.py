@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.backends.xla import computed_slots
-from moejax.experts import Slots, combine_slots
+from moejax.slots import Slots, combine_slots
 from moejax.weights import Experts, ExpertWeights
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.platform import choose_at_lowering

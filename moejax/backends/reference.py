@@ -6,10 +6,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moejax.experts import Slots
 from moejax.lora import LoRAExpert
 from moejax.quantized import QuantizedExperts
 from moejax.quantized.activations import Int8Inputs
+from moejax.slots import Slots
 from moejax.weights import Experts
 from pallas_kernels.activations import GatedActivation
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moejax.experts import Slots, combine_slots
+from moejax.slots import Slots, combine_slots
 from moejax.weights import Experts
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.gpu_decode import union_of_experts

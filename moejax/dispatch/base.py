@@ -9,8 +9,8 @@ from typing import Any
 import jax
 
 from moejax.config import MoEConfig
-from moejax.experts import Slots
 from moejax.routing import Routing
+from moejax.slots import Slots
 from moejax.stats import MoEStats
 
 Array = jax.Array

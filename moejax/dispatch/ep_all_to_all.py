@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from moejax.analysis import expert_load
 from moejax.dispatch.ep import ExpertParallel
-from moejax.experts import Slots
+from moejax.slots import Slots
 from moejax.stats import MoEStats
 
 Array = jax.Array
