@@ -527,7 +527,7 @@ static ffi::Error MoeExpertsLoRACall(
 }
 
 // One LoRA target's deltas per row, for what has no experts (the router's logits, the shared expert's sigmoid
-// gate: moejax.backends.native_layer.lora_delta): out[t] = s[a] · (x[t] · A[a]ᵀ) · B[a]ᵀ with a the row's adapter
+// gate: moejax.backends.native_ops.lora_delta): out[t] = s[a] · (x[t] · A[a]ᵀ) · B[a]ᵀ with a the row's adapter
 // (ids outside [0, n) are 0), zeros on rows without one. Each value is one fixed chain (lora_row_delta): a row's
 // bits do not depend on T, its position, its neighbours or the threads.
 static ffi::Error LoRADeltaCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,

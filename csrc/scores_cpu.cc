@@ -1,5 +1,5 @@
 // moejax_scores: the router's scores (softmax over a row, sigmoid, softplus) of float32 logits [T, N], one scalar
-// chain per value, so a row's bits do not depend on the rows beside it (moejax/backends/native_layer.py).
+// chain per value, so a row's bits do not depend on the rows beside it (moejax/backends/native_ops.py).
 //
 // Why: XLA:CPU's exp gives different bits in a loop's vectorized body and its scalar tail, and its reduce picks
 // its loop order by the array's shape: a row's softmax changed in the last bit with the batch around it

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from moejax.backends import BACKENDS, IMPLS, candidates, resolve_impl, run_routed
-from moejax.backends.native_layer import LayerOps, layer_ops
+from moejax.backends.native_ops import LayerOps, layer_ops
 from moejax.backends.xla import grouped_block_rows
 from moejax.config import MoEConfig, ScalingTarget
 from moejax.dispatch import Dispatch, Local, Rows, mesh_of

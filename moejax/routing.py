@@ -84,7 +84,7 @@ def router_logits(
     (a bf16 Linear in the model dtype rounds its output once, after the bias).
 
     `matmul(x, w) -> [T, N]` float32 computes `x @ W_router` (the pipeline passes the native, batch-invariant one
-    on CPU: `moejax.backends.native_layer`); None: `jnp.dot` accumulating in float32. `lora_delta(lora, x,
+    on CPU: `moejax.backends.native_ops`); None: `jnp.dot` accumulating in float32. `lora_delta(lora, x,
     adapter) -> [T, N]` likewise computes the adapters' deltas; None: `moejax.lora.pair_delta`.
 
     `lora` (a stack's router target, `a [n+1, r, H]`) and `adapter [T]` (the rows' clamped ids): each row's

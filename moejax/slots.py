@@ -90,7 +90,7 @@ def shared_expert_ffn(
     `float32=True` computes in float32 whatever the weight dtype (the reference). `lora` (a stack's shared
     targets) and `adapter [T]` (the rows' ids) wrap the weights in a `moejax.lora.LoRAExpert` and add the rows'
     deltas to the sigmoid gate's logit before it is rounded and squashed. `ops`: the layer's native matmuls
-    (`moejax.backends.native_layer.LayerOps`: its `shared_ffn` runs the FFN, the adapters' deltas included, its
+    (`moejax.backends.native_ops.LayerOps`: its `shared_ffn` runs the FFN, the adapters' deltas included, its
     `matmul` the gate's `x @ w`), or None for `ExpertWeights.ffn` (`LoRAExpert.ffn`) and `jnp.dot`."""
     if float32:
         shared = jax.tree.map(lambda w: w.astype(jnp.float32), shared)

@@ -13,7 +13,7 @@ from xla_pipeline import DEFAULT_PIPELINE
 
 import moejax
 from moejax import backends
-from moejax.backends import native, native_layer
+from moejax.backends import native, native_ops
 from moejax.dispatch import EPAllToAll, EPPsum, Rows
 from moejax.routing import xla_scores
 
@@ -86,7 +86,7 @@ def test_every_batch_size_one_thread_or_the_pool_and_2048_rows(monkeypatch):
     alone = _forward(params, _rows(1, 7), cfg)[0]
     one = dataclasses.replace(backends.BACKENDS["native"], run=_one_thread(native.routed_experts))
     monkeypatch.setitem(backends.BACKENDS, "native", one)
-    monkeypatch.setattr(native_layer, "_MAX_THREADS", 1)
+    monkeypatch.setattr(native_ops, "_MAX_THREADS", 1)
     forward = jax.jit(  # traced anew: one thread
         moejax.moe_forward.uncached, static_argnames=("cfg",), compiler_options=DEFAULT_PIPELINE
     )
@@ -160,7 +160,7 @@ def test_linear_matches_float64(portable):
         for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
             w = jnp.asarray(rng.standard_normal((K, N)), dtype)
             b = rng.standard_normal(N).astype(np.float32)
-            got = native_layer.linear(jnp.asarray(x), w, jnp.asarray(b), portable=portable)
+            got = native_ops.linear(jnp.asarray(x), w, jnp.asarray(b), portable=portable)
             want = x.astype(np.float64) @ np.asarray(w, np.float64) + b
             bound = 4 * K * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(np.asarray(w, np.float64)) + np.abs(b))
             assert np.all(np.abs(np.asarray(got) - want) <= bound + 1e-30), (T, K, N, dtype)
@@ -178,7 +178,7 @@ def test_router_reads_a_bfloat16_kernel_as_stored():
     x = jnp.asarray(_rows(9, 4))
 
     def logits(kernel, x):
-        return router_logits(moejax.params.RouterParams(kernel), x, cfg, matmul=native_layer.matmul)
+        return router_logits(moejax.params.RouterParams(kernel), x, cfg, matmul=native_ops.matmul)
 
     got = jax.jit(logits)(kernel, x)
     np.testing.assert_array_equal(got, jax.jit(logits)(kernel.astype(jnp.float32), x))
@@ -190,11 +190,11 @@ def test_router_reads_a_bfloat16_kernel_as_stored():
 def test_linear_bad_inputs_raise_in_python():
     x, w = jnp.ones((3, 8)), jnp.ones((8, 4))
     with pytest.raises(ValueError, match="x must be"):
-        native_layer.linear(x, w[:7])
+        native_ops.linear(x, w[:7])
     with pytest.raises(ValueError, match="w must be float32"):
-        native_layer.linear(x, w.astype(jnp.int8))
+        native_ops.linear(x, w.astype(jnp.int8))
     with pytest.raises(ValueError, match="bias must be"):
-        native_layer.linear(x, w, jnp.ones(5))
+        native_ops.linear(x, w, jnp.ones(5))
 
 
 # -- the switch ---------------------------------------------------------------------------------------------------
@@ -206,11 +206,11 @@ def test_enable_false_runs_the_xla_path_and_enable_none_restores_the_default():
     x = jnp.asarray(_rows(3, 8))
     try:
         native.enable(False)
-        assert not native.available() and native_layer.layer_ops("auto") is None
+        assert not native.available() and native_ops.layer_ops("auto") is None
         assert moejax.chosen_impl(params, x, cfg) == "cpu_decode"
         assert "moejax_" not in _lowered(lambda p, x: moejax.moe_forward(p, x, cfg), params, x)
         with pytest.raises(NotImplementedError, match="not built or not enabled"):
-            native_layer.linear(x, params.router.kernel)
+            native_ops.linear(x, params.router.kernel)
     finally:
         native.enable(None)
     assert native.available() and moejax.chosen_impl(params, x, cfg) == "native"
@@ -257,11 +257,11 @@ def test_scores_match_xla_and_a_rows_bits_do_not_depend_on_the_batch(kind):
     rng = np.random.default_rng(3)
     z = (rng.standard_normal((40, 13)) * 5).astype(np.float32)
     z[3, 2], z[4, :], z[5, 1] = -np.inf, -np.inf, np.nan
-    fn = jax.jit(functools.partial(native_layer.scores, kind), compiler_options=DEFAULT_PIPELINE)
+    fn = jax.jit(functools.partial(native_ops.scores, kind), compiler_options=DEFAULT_PIPELINE)
     want = np.asarray(xla_scores(kind, jnp.asarray(z)))
     np.testing.assert_allclose(np.asarray(fn(z)), want, rtol=3e-6, atol=0, equal_nan=True)
     weights = jnp.arange(13.0)
-    grad = jax.grad(lambda z: (native_layer.scores(kind, z) * weights).sum())(jnp.asarray(z[6:9]))
+    grad = jax.grad(lambda z: (native_ops.scores(kind, z) * weights).sum())(jnp.asarray(z[6:9]))
     np.testing.assert_array_equal(grad, jax.grad(lambda z: (xla_scores(kind, z) * weights).sum())(z[6:9]))
     rows = (rng.standard_normal((4, 13)) * 5).astype(np.float32)
     for T in (9, 300, 2048):

@@ -190,10 +190,10 @@ def test_layer_gradients_with_adapters_equal_the_references():
 
 
 def test_router_and_shared_gate_deltas_native_match_pair_delta_and_its_gradients():
-    """`native_layer.lora_delta` (the router's and the shared expert's sigmoid gate's adapters) against XLA's
+    """`native_ops.lora_delta` (the router's and the shared expert's sigmoid gate's adapters) against XLA's
     `pair_delta`: values at odd sizes (in=37, out=11, rank 5) with ids 0, in range and clamped, zeros on id-0 rows,
     a row's bits alone equal its bits inside 40 rows; gradients are `pair_delta`'s; bad shapes raise in Python."""
-    from moejax.backends import native_layer
+    from moejax.backends import native_ops
     from moejax.lora import pair_delta
 
     rng = np.random.default_rng(11)
@@ -201,23 +201,23 @@ def test_router_and_shared_gate_deltas_native_match_pair_delta_and_its_gradients
     pair = LoRAPair(_normal(rng, (n, r, n_in), n_in), _normal(rng, (n, n_out, r), 1), jnp.asarray([0, 0.5, 2, -1.0]))
     x = _x(T, n_in, 12)
     ids = clamp_ids(jnp.asarray(rng.integers(-1, n + 2, T), jnp.int32), n)
-    got = np.asarray(native_layer.native_lora_delta(pair, x, ids))
+    got = np.asarray(native_ops.native_lora_delta(pair, x, ids))
     np.testing.assert_allclose(got, pair_delta(pair, x, ids), rtol=1e-5, atol=1e-5)
     assert (got[np.asarray(ids) == 0] == 0).all() and np.abs(got).max() > 0.1
     for pos in (0, 17, T - 1):
-        alone = native_layer.native_lora_delta(pair, x[pos : pos + 1], ids[pos : pos + 1])
+        alone = native_ops.native_lora_delta(pair, x[pos : pos + 1], ids[pos : pos + 1])
         np.testing.assert_array_equal(got[pos], np.asarray(alone)[0], err_msg=f"position {pos}")
     c = jnp.cos(jnp.arange(T * n_out, dtype=jnp.float32)).reshape(T, n_out)
     grads = [
         jax.grad(lambda p, x, f=f: jnp.sum(c * f(p, x, ids)), argnums=(0, 1))(pair, x)
-        for f in (native_layer.lora_delta, pair_delta)
+        for f in (native_ops.lora_delta, pair_delta)
     ]
     for g, w in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="b must be"):
-        native_layer.native_lora_delta(LoRAPair(pair.a, pair.b[:, :, :2], pair.scale), x, ids)
+        native_ops.native_lora_delta(LoRAPair(pair.a, pair.b[:, :, :2], pair.scale), x, ids)
     with pytest.raises(ValueError, match="adapter must be"):
-        native_layer.native_lora_delta(pair, x, ids[:3])
+        native_ops.native_lora_delta(pair, x, ids[:3])
 
 
 def test_a_rows_layer_output_with_router_and_shared_gate_adapters_does_not_depend_on_the_batch():
@@ -247,19 +247,19 @@ def test_eight_four_and_one_chain_dots_give_the_same_bits():
     """The deltas' dots run 8 chains at once (AVX2: their lane trees across registers), then 4, then 1: each sum
     must be the one chain's bits whatever block computed it. Rank 13 and out 21 (8 + 4 + 1 blocks): u (B the
     identity, so delta = u exactly) and every output column equal the same sums computed alone (rank 1, out 1)."""
-    from moejax.backends import native_layer
+    from moejax.backends import native_ops
 
     rng = np.random.default_rng(5)
     n, r, n_in, n_out, T = 3, 13, 43, 21, 6
     a, b = _normal(rng, (n, r, n_in), n_in), _normal(rng, (n, n_out, r), 1)
     scale, x, ids = jnp.asarray([0, 0.5, 1.5]), _x(T, n_in, 6), jnp.asarray([1, 2, 1, 2, 0, 1], jnp.int32)
     eye = jnp.broadcast_to(jnp.eye(r), (n, r, r))
-    u = np.asarray(native_layer.native_lora_delta(LoRAPair(a, eye, scale), x, ids))
+    u = np.asarray(native_ops.native_lora_delta(LoRAPair(a, eye, scale), x, ids))
     ones = jnp.ones((n, 1, 1))
     for j in range(r):
-        alone = native_layer.native_lora_delta(LoRAPair(a[:, j : j + 1], ones, scale), x, ids)
+        alone = native_ops.native_lora_delta(LoRAPair(a[:, j : j + 1], ones, scale), x, ids)
         np.testing.assert_array_equal(u[:, j], np.asarray(alone)[:, 0], err_msg=f"u[{j}]")
-    got = np.asarray(native_layer.native_lora_delta(LoRAPair(a, b, scale), x, ids))
+    got = np.asarray(native_ops.native_lora_delta(LoRAPair(a, b, scale), x, ids))
     for c in range(n_out):
-        alone = native_layer.native_lora_delta(LoRAPair(a, b[:, c : c + 1], scale), x, ids)
+        alone = native_ops.native_lora_delta(LoRAPair(a, b[:, c : c + 1], scale), x, ids)
         np.testing.assert_array_equal(got[:, c], np.asarray(alone)[:, 0], err_msg=f"column {c}")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import moejax
-from moejax.backends import native, native_layer
+from moejax.backends import native, native_ops
 
 built = pytest.mark.skipif(not native.available(), reason="the native extension is not built")
 
@@ -47,8 +47,8 @@ def test_a_full_size_layer_keeps_the_pool():
 
 @built
 def test_the_threshold_is_on_the_bytes_streamed():
-    below = native_layer.SINGLE_THREAD_BYTES - 1
-    assert native_layer.threads_for(below) == 1 and native_layer.threads_for(below + 1) == 0
+    below = native_ops.SINGLE_THREAD_BYTES - 1
+    assert native_ops.threads_for(below) == 1 and native_ops.threads_for(below + 1) == 0
 
 
 @built

@@ -38,7 +38,7 @@ import jax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero, custom_vjp_primal_tree_values
 
 import pallas_kernels
-from moejax.backends import native, native_layer, pallas, ragged
+from moejax.backends import native, native_ops, pallas, ragged
 from moejax.backends.backward import routed_vjp
 from moejax.backends.cpu import cpu_decode, cpu_grouped
 from moejax.backends.reference import reference_routed
@@ -113,7 +113,7 @@ def _on_validated_devices(name: str) -> Callable[..., Array]:
 
 for _backend in (
     Backend("reference", reference_routed),
-    Backend("native", native_layer.routed_experts, chooser=native.on_cpu),
+    Backend("native", native_ops.routed_experts, chooser=native.on_cpu),
     Backend(
         "pallas_decode",
         pallas.pallas_decode,

@@ -121,7 +121,7 @@ def on_cpu(run, fallback, *operands) -> Array:
     """`run(*operands)` in a program lowered for the CPU, `fallback(*operands)` elsewhere (a GPU or TPU program,
     also one compiled on a CPU host for a compile-only topology): decided while lowering, never by the host's
     default backend. By the lowering platform alone (`jax.lax.platform_dependent`, pruned while lowering), as
-    `native_layer`'s ops: `choose_at_lowering` asks for the program's devices, which makes JAX require one mesh
+    `native_ops`'s ops: `choose_at_lowering` asks for the program's devices, which makes JAX require one mesh
     across the program, and the routed experts run in programs that mix meshes (a data-parallel input beside an
     EP forward, tests/test_lora_safety.py)."""
     return jax.lax.platform_dependent(*operands, cpu=run, default=fallback)

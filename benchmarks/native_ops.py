@@ -1,11 +1,11 @@
 """The native layer's extra matmuls against XLA's, on CPU: the router (`x @ W_router`) and a shared expert.
 
 Times (min of --rounds, each the mean of --calls calls, interleaved native / XLA) of:
-  router  [T, H] x [H, E]:   `native_layer.linear` vs `jnp.dot` (float32)
-  shared  gated FFN H -> Is -> H: `native_layer.shared_ffn` (one routed-experts FFI call) vs `ExpertWeights.ffn`
+  router  [T, H] x [H, E]:   `native_ops.linear` vs `jnp.dot` (float32)
+  shared  gated FFN H -> Is -> H: `native_ops.shared_ffn` (one routed-experts FFI call) vs `ExpertWeights.ffn`
 Default sizes: Qwen3-30B-A3B's router (H=2048, E=128) and Qwen1.5-MoE-A2.7B's shared expert (Is=5632).
 
-    python benchmarks/native_layer.py --rounds 5
+    python benchmarks/native_ops.py --rounds 5
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 
 import jax
 
-from moejax.backends import native, native_layer
+from moejax.backends import native, native_ops
 from moejax.weights import ExpertWeights
 from pallas_kernels.activations import GatedActivation
 
@@ -46,9 +46,9 @@ def main() -> None:
         *(jax.random.normal(k, s) * s[0] ** -0.5 for k, s in zip(key[1:], [(H, Is), (H, Is), (Is, H)], strict=True))
     )
     act = GatedActivation("silu")
-    shared_native = jax.jit(lambda w, x: native_layer.shared_ffn(w, x, act))
+    shared_native = jax.jit(lambda w, x: native_ops.shared_ffn(w, x, act))
     shared_xla = jax.jit(lambda w, x: w.ffn(x, act))
-    router_native, router_xla = jax.jit(native_layer.linear), jax.jit(native_layer.xla_matmul)
+    router_native, router_xla = jax.jit(native_ops.linear), jax.jit(native_ops.xla_matmul)
     print(f"H={H} E={E} Is={Is}; min of {args.rounds} rounds, ms per call")
     for T in args.rows:
         x = jax.random.normal(jax.random.key(T), (T, H))
