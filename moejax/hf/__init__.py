@@ -27,9 +27,16 @@ from moejax.hf.adapter_load import load_adapter
 from moejax.hf.adapter_save import save_adapter
 from moejax.hf.checkpoint import load_layer, load_layers, load_safetensors
 from moejax.hf.checkpoint_save import layer_tensors, save_layer
-from moejax.hf.configs import config_from_hf, is_moe_layer, moe_layer_indices
 from moejax.hf.convert import params_from_hf, params_to_hf
-from moejax.hf.families import BY_MODEL_TYPE, FAMILY_RECORDS, Block, Family
+from moejax.hf.families import (
+    BY_MODEL_TYPE,
+    FAMILY_RECORDS,
+    Block,
+    Family,
+    config_from_hf,
+    is_moe_layer,
+    moe_layer_indices,
+)
 
 # HF model_type -> moejax family (docs/FAMILIES.md).
 MODEL_TYPES: dict[str, str] = {model_type: family.name for model_type, family in BY_MODEL_TYPE.items()}

@@ -22,9 +22,8 @@ import numpy as np
 from moejax.config import MoEConfig
 from moejax.hf import files as shards
 from moejax.hf import quant_config
-from moejax.hf.configs import config_from_hf, family_config, layer_kind, moe_layer_indices, num_layers
 from moejax.hf.convert import block_keys_of, block_quant_of, params_of_block
-from moejax.hf.families import Block, Family
+from moejax.hf.families import Block, Family, config_from_hf, family_config, layer_kind, moe_layer_indices, num_layers
 from moejax.hf.keys import SHARED_PREFIXES
 from moejax.hf.quant_config import BlockQuant
 from moejax.hf.state_dict import StateDict

@@ -15,10 +15,9 @@ from moejax.config import MoEConfig
 from moejax.hf import files as shards
 from moejax.hf import quant_config, transaction
 from moejax.hf.checkpoint import CONFIG, Checkpoint, find_block
-from moejax.hf.config_fields import as_dict
-from moejax.hf.configs import config_from_hf, family_config, is_composite
+from moejax.hf.config_mapping import as_dict
 from moejax.hf.convert import params_to_hf
-from moejax.hf.families import Block, Family
+from moejax.hf.families import Block, Family, config_from_hf, family_config, is_composite
 from moejax.hf.quant_config import HfQuant
 from moejax.params import MoEParams
 from moejax.quantized.formats import QuantizedExperts
