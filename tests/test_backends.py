@@ -25,16 +25,17 @@ from moejax import backends
 from moejax.backends import native
 from moejax.params import with_experts_layout
 from moejax.slots import Slots
-from moejax.weights import to_layout
+from moejax.weights import FusedExpertWeights, to_layout
 
 # (T, H, I, E, K); a decode backend runs T = 3 for the rows past its size
 SIZES = [(1, 13, 7, 1, 1), (7, 24, 11, 5, 5), (300, 20, 9, 6, 2), (5, 16, 12, 3, 2)]
 DECODE_ROWS = 3
 
 
-def random_slots(T: int, K: int, E: int, seed: int, *, in_scale: bool = False) -> Slots:
+def random_slots(T: int, K: int, E: int, seed: int, *, in_scale: bool = False, zero_weight: bool = False) -> Slots:
     """Random slots with skipped ids (-1 and >= E: zero or remote experts, weight 0) and, without input scales, a
-    row that picks one expert in two slots (hash routing does); input scales (Llama-4) come with distinct ids."""
+    row that picks one expert in two slots (hash routing does); input scales (Llama-4) come with distinct ids.
+    `zero_weight`: row 2's first slot keeps its expert with weight 0 (no output, but a weight gradient)."""
     rng = np.random.default_rng(seed)
     if in_scale:
         idx = np.stack([rng.permutation(np.arange(-1, E + 2))[:K] for _ in range(T)]).astype(np.int32)
@@ -44,6 +45,8 @@ def random_slots(T: int, K: int, E: int, seed: int, *, in_scale: bool = False) -
             idx[0, 1] = idx[0, 0]
     w = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
     w[(idx < 0) | (idx >= E)] = 0.0
+    if zero_weight and T > 2 and K > 1:
+        w[2, 0] = 0.0
     scale = jnp.asarray(rng.uniform(0.5, 1.5, (T, K)).astype(np.float32)) if in_scale else None
     return Slots(jnp.asarray(idx), jnp.asarray(w), scale)
 
@@ -59,9 +62,16 @@ def routed_grads(impl, experts, x, slots, act, probe):
 
 
 def reference_grads(experts, x, slots, act, probe):
-    """`routed_grads` of the dense float32 reference, on the experts' layout."""
-    got = routed_grads("reference", to_layout(experts, "stacked"), x, slots, act, probe)
-    return (to_layout(got[0], experts.layout), *got[1:])
+    """`routed_grads` of the dense float32 reference on the `[in, out]` stacked view, brought back to `experts`'
+    format (layout, and the `[out, in]` fused format)."""
+    stacked = to_layout(experts, "stacked")
+    if isinstance(stacked, FusedExpertWeights):
+        stacked = stacked.as_dense()
+    got = routed_grads("reference", stacked, x, slots, act, probe)
+    d = got[0]
+    if isinstance(experts, FusedExpertWeights):
+        d = FusedExpertWeights.from_dense(d)
+    return (to_layout(d, experts.layout), *got[1:])
 
 
 _routed = jax.jit(backends.run_routed, static_argnames=("impl", "act"))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import gated
 
 from moejax import backends
 from moejax import quantized as Q
@@ -92,14 +93,6 @@ def _int8_np(v: np.ndarray, group: int | None) -> np.ndarray:
     return (q * s).reshape(R, -1)[:, :n]
 
 
-def _act_np(act: GatedActivation, g, u):
-    sig = lambda z: 1 / (1 + np.exp(-z))
-    if act.kind == "gpt_oss":
-        g, u = np.minimum(g, act.limit), np.clip(u, -act.limit, act.limit)
-        return (u + 1) * g * sig(act.alpha * g)
-    return g * sig(g) * u
-
-
 def _oracle(name, x, slots: Slots, act, *, bias=False, group="scheme") -> np.ndarray:
     """`_oracle_of` the format `name` (group None: float32 activations)."""
     group = _experts(name).scheme.activation_group if group == "scheme" else group
@@ -118,7 +111,7 @@ def _oracle_of(d: dict, group, x, slots: Slots, act=ACTIVATIONS["silu"], bias=Fa
         g, u = xe @ d["gate"][e], xe @ d["up"][e]
         if bias:
             g, u = g + d["gate_bias"][e], u + d["up_bias"][e]
-        y = _int8_np(_act_np(act, g, u), group).astype(np.float64) @ d["down"][e]
+        y = _int8_np(gated(act, g, u), group).astype(np.float64) @ d["down"][e]
         out[t] += w[t, k] * (y[0] + (d["down_bias"][e] if bias else 0))
     return out
 

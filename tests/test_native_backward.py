@@ -3,6 +3,8 @@
 biases and input scales at awkward sizes; the same bits run to run, with one thread or the pool, and for a row
 whatever its neighbours; the formats it does not read fall back to the grouped JAX backward."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from native_inputs import ACTIVATIONS, dense, rows
+from test_backends import random_slots, reference_grads, routed_grads
 
 import moejax
 from moejax import backends
@@ -18,6 +21,8 @@ from moejax.slots import Slots
 from moejax.weights import FusedExpertWeights, to_layout
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="moejax._native_cpu is not built")
+_slots = functools.partial(random_slots, zero_weight=True)  # a chosen expert of weight 0: a weight gradient
+_grads, _reference_grads = routed_grads, reference_grads
 
 LAYOUTS = ("stacked", "per_expert", "stacked_fused")
 
@@ -28,46 +33,6 @@ def _experts(E, H, I, *, dtype="float32", bias=False, seed=0, layout="stacked"):
     if layout == "stacked_fused":
         return FusedExpertWeights.from_dense(experts)
     return to_layout(experts, layout)
-
-
-def _slots(T, K, E, seed, *, in_scale=False):
-    """Random slots: skipped ids (-1, >= E), a repeated expert in a row, a zero weight; input scales with
-    distinct ids per row."""
-    rng = np.random.default_rng(seed)
-    if in_scale:
-        idx = np.stack([rng.permutation(np.arange(-1, E + 2))[:K] for _ in range(T)]).astype(np.int32)
-    else:
-        idx = rng.integers(-1, E + 2, (T, K)).astype(np.int32)
-        if K > 1:
-            idx[0, 1] = idx[0, 0]
-    w = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
-    w[(idx < 0) | (idx >= E)] = 0.0
-    if T > 2 and K > 1:
-        w[2, 0] = 0.0  # a chosen expert of weight 0: no output, but a weight gradient
-    scale = jnp.asarray(rng.uniform(0.5, 1.5, (T, K)).astype(np.float32)) if in_scale else None
-    return Slots(jnp.asarray(idx), jnp.asarray(w), scale)
-
-
-def _grads(impl, experts, x, slots, act, probe):
-    """Gradients of `<routed, probe>` w.r.t. the experts, x, the output weights and the input scales."""
-
-    def loss(experts, x, out_weight, in_scale):
-        s = Slots(slots.indices, out_weight, in_scale)
-        return jnp.sum(backends.run_routed(impl, experts, x, s, act) * probe)
-
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(experts, x, slots.out_weight, slots.in_scale)
-
-
-def _reference_grads(experts, x, slots, act, probe):
-    """The reference's gradients, on the float32 `[in, out]` stacked view, brought back to `experts`' format."""
-    stacked = to_layout(experts, "stacked")
-    if isinstance(stacked, FusedExpertWeights):
-        stacked = stacked.as_dense()
-    got = _grads("reference", stacked, x, slots, act, probe)
-    d = got[0]
-    if isinstance(experts, FusedExpertWeights):
-        d = FusedExpertWeights.from_dense(d)
-    return (to_layout(d, experts.layout), *got[1:])
 
 
 def _assert_close(got, want, tol):
