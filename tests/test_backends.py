@@ -158,7 +158,12 @@ class BackendCases:
         if self.decode and T > 8:
             T = DECODE_ROWS
         experts = to_layout(dense(E, H, I, dtype=dtype, bias=bias, seed=seed), self.layout)
-        return experts, rows(T, H, seed + 1), random_slots(T, K, E, seed + 2, in_scale=in_scale), ACTIVATIONS[act]
+        return (
+            experts,
+            rows(T, H, seed + 1),
+            random_slots(T, K, E, seed + 2, in_scale=in_scale, zero_weight=True),
+            ACTIVATIONS[act],
+        )
 
     @settings(max_examples=2, suppress_health_check=SHARED)  # each example compiles new shapes
     @given(case=cases)

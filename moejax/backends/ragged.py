@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.backends.xla import computed_slots
-from moejax.slots import Slots, combine_slots
+from moejax.slots import Slots
 from moejax.weights import Experts, ExpertWeights
 from pallas_kernels.activations import GatedActivation
 from pallas_kernels.platform import choose_at_lowering
@@ -79,8 +79,10 @@ def ragged_grouped(experts: Experts, x: Array, slots: Slots, act: GatedActivatio
     y = grouped_dot(h, experts.down, experts.down_bias)  # [M, H]
     # Un-sort by a gather (XLA:TPU compiles a [M, H] scatter far more slowly); skipped pairs' rows are zero.
     sorted_row = jnp.zeros(M, jnp.int32).at[order].set(jnp.arange(M, dtype=jnp.int32))  # [M] each pair's row
-    per_pair = y[sorted_row]  # [M, H]
-    return combine_slots(per_pair.reshape(T, K, -1), jnp.where(valid, slots.out_weight, 0.0))
+    per_pair = y[sorted_row].reshape(T, K, -1)  # [T, K, H]
+    # Masked by the id, not the weight (as the reference): a chosen expert of weight 0 adds nothing but has a
+    # weight gradient, which `combine_slots`' mask by weight would cut, as ragged is differentiated as it is.
+    return jnp.where(valid[..., None], slots.out_weight[..., None] * per_pair, 0.0).sum(1)
 
 
 def on_accelerators(run, fallback, *operands) -> Array:
