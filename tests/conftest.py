@@ -39,7 +39,7 @@ def _order(item) -> int:
     return int(item.path.name not in LONG_FIRST)
 
 
-# The developer's loop, `pytest -n 2 -m "not slow"` (<= 90 s on 2 cores), runs the configs, the Hugging Face
+# The developer's loop, `pytest -n 2 -m "not slow"` (meant for <= 90 s on 2 cores), runs the configs, the Hugging Face
 # interop, every family against its oracle, the forward and the shared backend cases. The files below, the longest
 # by `--durations=0`, are marked slow as a whole: each compiles many programs, or another platform's, or runs
 # processes, notebooks, whole models. A single slow test elsewhere carries `pytest.mark.slow` itself.
