@@ -39,10 +39,10 @@ def _order(item) -> int:
     return int(item.path.name not in LONG_FIRST)
 
 
-# The developer's loop, `pytest -n 2 -m "not slow"` (meant for <= 90 s on 2 cores), runs the configs, the Hugging Face
-# interop, every family against its oracle, the forward and the shared backend cases. The files below, the longest
-# by `--durations=0`, are marked slow as a whole: each compiles many programs, or another platform's, or runs
-# processes, notebooks, whole models. A single slow test elsewhere carries `pytest.mark.slow` itself.
+# The developer's loop, `pytest -n 2 -m "not slow"` (meant for <= 90 s on 2 cores), runs the configs, the Hugging
+# Face interop, every family against its oracle and the shared backend cases' forward and gradients. The files
+# below, the longest by `--durations=0`, are marked slow as a whole: each compiles many programs, or another
+# platform's, or runs processes, notebooks, whole models. A single slow test elsewhere carries `pytest.mark.slow`.
 SLOW_FILES = {
     # compiles for other platforms, interpreted Pallas kernels
     "test_cuda_compile.py",
@@ -88,6 +88,13 @@ SLOW_FILES = {
     "test_stats.py",
     "test_eager.py",
     "test_hf_writes.py",
+    # the whole forward's options, quantized checkpoints, adapters, edge inputs, routing analysis, the pool
+    "test_forward.py",
+    "test_hf_quantized.py",
+    "test_hf_adapter.py",
+    "test_edge_inputs.py",
+    "test_analysis.py",
+    "test_native_threads.py",
 }
 
 

@@ -182,12 +182,14 @@ class BackendCases:
         assert_close(got, reference_grads(experts, x, slots, act, probe), 2e-4, floor=1e-3, what=self.impl)
         assert float(jnp.abs(got[1]).max()) > 1e-3 or not bool(jnp.any(slots.out_weight > 0))
 
+    @pytest.mark.slow  # the developer's loop keeps the float32 routed cases
     @settings(max_examples=2, suppress_health_check=SHARED)
     @given(data=st.data())
     def test_layer_equals_the_reference(self, data):
         """Every family's routing, shared expert and combine around the backend (`impl=` of `moe_forward`)."""
         check_layer(self.impl, *data.draw(decode_layers if self.decode else grouped_layers))
 
+    @pytest.mark.slow
     def test_bfloat16_weights(self):
         """bf16 weights: the forward within bf16 resolution of the float32 oracle; gradients in bf16, the
         reference's float32 math on the widened weights."""
