@@ -1,12 +1,21 @@
-// AVX-512 (F, BW, DQ, VL) variant of the vector operations: vec_avx2.inc's 8-lane V (here compiled with EVEX
-// encodings and 32 vector registers), and a 16-lane W for the [in, out] kernels, whose lanes are columns: a W
-// holds the columns of two adjacent V's, each lane the same chain of operations as in V (a per-lane FMA is one
-// rounding either way, the decoders are exact), so this variant's results equal the AVX2 variant's bit for bit.
-// Included inside namespace moe::avx512 between MOE_TARGET_PUSH / MOE_TARGET_POP.
+// AVX-512 (F, BW, DQ, VL) vector operations: a 16-lane W beside vec_avx2.h's 8-lane V (which the AVX-512 variant
+// takes too: inlined into its functions, compiled with EVEX encodings and 32 vector registers). W serves the
+// [in, out] kernels, whose lanes are columns: a W holds the columns of two adjacent V's, each lane the same chain
+// of operations as in V (a per-lane FMA is one rounding either way, the decoders are exact), so this variant's
+// results equal the AVX2 variant's bit for bit. x86-64 only.
+#pragma once
 
-#include "vec_avx2.inc"
+#include <cstdint>
 
-#define MOE_WIDE 1  // kernels_inout.inc: the W paths
+#include "target.h"
+#include "vec_avx2.h"
+
+#if MOE_X86
+MOE_TARGET_PUSH(MOE_AVX512_TARGET)
+namespace moe {
+namespace vec_avx512 {
+
+using vec_avx2::V;
 
 using W = __m512;
 using WI = __m512i;
@@ -76,3 +85,8 @@ static inline void whalves(W a, V& lo, V& hi) {
 }
 // The 8 floats at p in both halves.
 static inline W wbroadcast8(const float* p) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(p)); }
+
+}  // namespace vec_avx512
+}  // namespace moe
+MOE_TARGET_POP()
+#endif  // MOE_X86

@@ -1,6 +1,18 @@
-// AVX2 + FMA + F16C 8-lane float vector: the operations kernels.inc needs. Included inside namespace moe::avx2 (and
-// linear::avx2),
-// between `#pragma GCC target("avx2,fma,f16c")` and its pop, so only these functions use the extensions.
+// AVX2 + FMA + F16C 8-lane float vector: the operations the kernels need (vec_generic.h's, lane for lane), compiled
+// for those extensions (MOE_TARGET_PUSH) and called only from the variants that have them: moe_avx2.cc,
+// moe_avx512.cc (a subset of its target: they inline there), linear_cpu.cc, backward_cpu.cc. x86-64 only.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "target.h"
+
+#if MOE_X86
+MOE_TARGET_PUSH(MOE_AVX2_TARGET)
+namespace moe {
+namespace vec_avx2 {
 
 using V = __m256;
 
@@ -52,7 +64,7 @@ static inline void vfp8x2(const uint8_t* p, V& lo, V& hi) {
   hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
 
-// e8m0 scale bytes -> 2^(s - 127) (s = 0: 2^-127, s = 255: NaN), as scalar.inc's e8m0_to_f32.
+// e8m0 scale bytes -> 2^(s - 127) (s = 0: 2^-127, s = 255: NaN), as scalar.h's e8m0_to_f32.
 static inline V ve8m0(const uint8_t* p) {
   const __m256i s = bytes8(p);
   V v = _mm256_castsi256_ps(_mm256_slli_epi32(s, 23));
@@ -82,7 +94,7 @@ static inline V vbf16(const uint8_t* p) {
 }
 static inline V vf16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-// ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), as vec_generic.inc.
+// ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), as vec_generic.h.
 static inline float hsum(V a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // s0 s1 s2 s3
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                            // s0+s2, s1+s3
@@ -103,3 +115,8 @@ static inline void hsum8(const V* a, float* out) {
                             _mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));  // a0 a2 a4 a6 | a1 a3 a5 a7
   _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
+
+}  // namespace vec_avx2
+}  // namespace moe
+MOE_TARGET_POP()
+#endif  // MOE_X86

@@ -1,16 +1,28 @@
-// Portable 8-lane float vector (any CPU, aarch64 included): the operations kernels.inc needs, as plain loops
-// that the compiler may vectorize with the baseline ISA. Included inside namespace generic.
+// Portable 8-lane float vector (any CPU, aarch64 included): the operations the kernels need (kernels.inc,
+// lora_kernels.inc, linear_kernel.inc, backward_kernels.inc), as plain loops that the compiler may vectorize with
+// the baseline ISA. The portable variants take them with `using namespace vec_generic`.
 // Compiled with -ffp-contract=off, so the order is the code's. vfma: where the target has a fused multiply-add
 // instruction (aarch64; x86-64 only when built with FMA, which the portable build is not) std::fma, one rounding as
 // the AVX2 and AVX-512 variants' FMA: the same bits as theirs. On x86-64 without it, a product then a sum (two
 // roundings): std::fma would be a C library call per lane there (~8x the time of the whole kernel, and an
 // emulation on the CPUs this variant serves, those without AVX2/FMA), so this variant gives other bits, within
 // float32 rounding, than the two others.
+#pragma once
+
 #if defined(__aarch64__) || defined(__FMA__) || defined(__FP_FAST_FMAF)
 #define MOE_GENERIC_FUSED 1
 #else
 #define MOE_GENERIC_FUSED 0
 #endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "scalar.h"
+
+namespace moe {
+namespace vec_generic {
 
 struct V {
   float f[8];
@@ -88,3 +100,6 @@ static inline float hsum(V a) {
 static inline void hsum8(const V* a, float* out) {
   for (int c = 0; c < 8; ++c) out[c] = hsum(a[c]);
 }
+
+}  // namespace vec_generic
+}  // namespace moe
