@@ -53,8 +53,8 @@ static inline V vfp8(const uint8_t* p) {
   return _mm256_cvtph_ps(h);
 }
 
-// 16 e4m3fn bytes -> their values * 2^-8 as two vectors (bytes 0-7, 8-15), as vfp8 on each half: the integer
-// steps once on 16 lanes.
+// 16 e4m3fn bytes -> their values * 2^-8 as two vectors (bytes 0-7, 8-15), as vfp8 on each half: the
+// integer steps once on 16 lanes.
 static inline void vfp8x2(const uint8_t* p, V& lo, V& hi) {
   const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // sign-extended
   __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
@@ -92,7 +92,9 @@ static inline V vbf16(const uint8_t* p) {
   const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
 }
-static inline V vf16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+static inline V vf16(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), as vec_generic.h.
 static inline float hsum(V a) {

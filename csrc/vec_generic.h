@@ -60,7 +60,9 @@ static inline VI viload(const int32_t* p) {
   std::memcpy(r.i, p, sizeof(r.i));
   return r;
 }
-static inline V vq8(const uint8_t* p, VI z) { MOE_LANEWISE(static_cast<float>(static_cast<int32_t>(p[l]) - z.i[l])); }
+static inline V vq8(const uint8_t* p, VI z) {
+  MOE_LANEWISE(static_cast<float>(static_cast<int32_t>(p[l]) - z.i[l]));
+}
 static inline V vq8_sym(const uint8_t* p) { MOE_LANEWISE(static_cast<float>(static_cast<int32_t>(p[l]) - 128)); }
 static inline void vq4(const uint8_t* p, VI z, V& lo, V& hi) {  // low nibble: input i, high nibble: i + 1
   for (int l = 0; l < 8; ++l) {
