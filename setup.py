@@ -1,9 +1,10 @@
 """Builds moejax's optional native CPU kernels (csrc/, an XLA FFI handler in a plain CPython extension).
 
 The extension is optional: without a C++ compiler, or with MOEJAX_NATIVE_BUILD=0 at build time, the package
-installs without it and `impl="auto"` runs the XLA plans. Baseline flags only (never -march=native): the AVX2
-variant is compiled with `#pragma GCC target` and chosen at load. MOEJAX_NATIVE_SANITIZE=1 builds with
-AddressSanitizer and UndefinedBehaviorSanitizer (tests only: run Python with LD_PRELOAD of libasan).
+installs without it and `impl="auto"` runs the XLA plans. Baseline flags only (never -march=native): the AVX2 and
+AVX-512 variants are compiled with `#pragma GCC target` and chosen at load (csrc/cpu_features.h).
+MOEJAX_NATIVE_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer (tests only: run Python with
+LD_PRELOAD of libasan).
 """
 
 import glob
@@ -57,6 +58,7 @@ def _native_extensions() -> list[Extension]:
             "moejax._native_cpu",
             sources=[
                 "csrc/moe_cpu.cc",
+                "csrc/cpu_features.cc",
                 "csrc/moe_generic.cc",
                 "csrc/moe_avx2.cc",
                 "csrc/moe_avx512.cc",

@@ -206,7 +206,7 @@ double kb_run(void* mp, int T, int K, int threads, int reps, int phases, int isa
   const Kernels* table = generic::tables().kernels;
 #if MOE_X86
   if (isa >= 1) table = avx2::tables().kernels;
-#if __has_include("vec_avx512.inc")
+#if __has_include("vec_avx512.inc") || __has_include("vec_avx512.h")
   if (isa >= 2) table = avx512::tables().kernels;
 #endif
 #endif

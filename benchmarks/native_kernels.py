@@ -33,7 +33,7 @@ ISAS = {"generic": 0, "avx2": 1, "avx512": 2}  # a tree without the AVX-512 vari
 
 
 def best_isa() -> str:
-    """The widest variant this CPU runs (the flags moe_cpu.cc's select_isa checks)."""
+    """The widest variant this CPU runs (the flags csrc/cpu_features.cc checks)."""
     flags = set(pathlib.Path("/proc/cpuinfo").read_text().split()) if pathlib.Path("/proc/cpuinfo").exists() else set()
     if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
         return "avx512"
@@ -42,7 +42,7 @@ def best_isa() -> str:
 
 def build(csrc: pathlib.Path) -> ctypes.CDLL:
     """The harness compiled against the csrc tree `csrc` (cached by the sources' contents)."""
-    sources = [HARNESS, *sorted(csrc.glob("*.cc")), *sorted(csrc.glob("*.inc"))]
+    sources = [HARNESS, *sorted(csrc.glob("*.cc")), *sorted(csrc.glob("*.h")), *sorted(csrc.glob("*.inc"))]
     digest = hashlib.sha1(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
     out = pathlib.Path("/tmp/moejax_kernels") / f"{digest}.so"
     if not out.exists():
@@ -51,7 +51,8 @@ def build(csrc: pathlib.Path) -> ctypes.CDLL:
         cmd = ["g++", "-shared", "-fPIC", "-std=c++17", "-O3", "-g0", "-ffp-contract=off", "-fno-math-errno"]
         cmd += ["-isystem", str(ROOT / "csrc/third_party"), f"-I{csrc}", f"-I{include}", "-o", str(out)]
         cmd += [str(HARNESS), str(csrc / "linear_cpu.cc"), str(csrc / "scores_cpu.cc")]
-        variants = ("moe_generic.cc", "moe_avx2.cc", "moe_avx512.cc")  # newer trees: translation units of their own
+        # newer trees: the variants in translation units of their own, the CPU probe in one
+        variants = ("moe_generic.cc", "moe_avx2.cc", "moe_avx512.cc", "cpu_features.cc")
         cmd += [str(csrc / f) for f in variants if (csrc / f).exists()]
         subprocess.run(cmd, check=True)
     lib = ctypes.CDLL(str(out))

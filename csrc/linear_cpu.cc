@@ -11,45 +11,35 @@
 // order.
 //
 // Threads: work items (block of rows x chunk of columns) taken from an atomic counter by XLA's intra-op pool
-// (the FFI's ThreadPool context) and the calling thread, csrc/parallel.inc, shared with moe_cpu.cc.
+// (the FFI's ThreadPool context) and the calling thread: parallel.h, shared with moe_cpu.cc.
 //
-// ISA: the kernel is compiled twice, as linear::avx2 (`#pragma GCC target("avx2,fma,f16c")`) and
-// linear::generic (baseline flags, any CPU); the variant is chosen once at load, MOEJAX_NATIVE_ISA=generic (or
+// ISA: the kernel is compiled twice, as linear::avx2 (MOE_TARGET_PUSH(MOE_AVX2_TARGET)) and linear::generic
+// (baseline flags, any CPU); the variant is chosen once (cpu_features.h), MOEJAX_NATIVE_ISA=generic (or
 // the call's `portable` attribute) forces the portable one. The same order of operations in both: the same bits
 // where the portable one is built with a fused multiply-add (aarch64), float32 rounding apart on x86-64
-// (vec_generic.inc).
+// (vec_generic.h).
 
 #include <algorithm>
-#include <atomic>
-#include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <functional>
-#include <limits>
-#include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define LINEAR_X86 1
-#include <immintrin.h>
-#else
-#define LINEAR_X86 0
-#endif
-
+#include "cpu_features.h"
+#include "parallel.h"
+#include "scalar.h"
 #include "target.h"
+#include "vec_avx2.h"
+#include "vec_generic.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
+namespace moe {
 namespace linear {
 
 enum WeightType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
-
-#include "scalar.inc"  // bits_f32, f16_to_f32 (and the other formats' decoders, unused here)
 
 // One call's operands.
 struct Problem {
@@ -68,36 +58,30 @@ constexpr int kColItem = 64;  // columns per work item
 using Kernel = void (*)(const Problem&, int t0, int t1, int c0, int c1);
 
 namespace generic {
-#include "vec_generic.inc"
+using namespace vec_generic;
 #include "linear_kernel.inc"
 }  // namespace generic
 
-#if LINEAR_X86
-MOE_TARGET_PUSH("avx2,fma,f16c")
+#if MOE_X86
+MOE_TARGET_PUSH(MOE_AVX2_TARGET)
 namespace avx2 {
-#include "vec_avx2.inc"
+using namespace vec_avx2;
 #include "linear_kernel.inc"
 }  // namespace avx2
 MOE_TARGET_POP()
 #endif
 
-// The kernel per weight type of the best variant for this CPU (MOEJAX_NATIVE_ISA=generic: the portable one).
+// The kernel per weight type of the best variant for this CPU (cpu_features.h; MOEJAX_NATIVE_ISA=generic: the
+// portable one), chosen on the first call.
 static const Kernel* best_kernels() {
   static const Kernel* chosen = [] {
-    const char* want = std::getenv("MOEJAX_NATIVE_ISA");
-    if (want && std::string(want) == "generic") return generic::kKernels;
-#if LINEAR_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-      return avx2::kKernels;
+#if MOE_X86
+    if (best_isa(Isa::kAvx2) == Isa::kAvx2) return avx2::kKernels;
 #endif
     return generic::kKernels;
   }();
   return chosen;
 }
-
-// -- threads -------------------------------------------------------------------------------------------------
-#include "parallel.inc"
 
 static ffi::Error LinearCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                              ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> y, int64_t max_threads,
@@ -145,8 +129,9 @@ static ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
 }
 
 }  // namespace linear
+}  // namespace moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLinear, linear::LinearImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLinear, moe::linear::LinearImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]

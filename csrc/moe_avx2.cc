@@ -1,13 +1,14 @@
 // The AVX2 + FMA + F16C variant of the routed-expert kernels (MOE_TARGET_PUSH: only these functions use the
-// extensions; chosen at load with __builtin_cpu_supports), in its own translation unit (see moe_job.h).
+// extensions; chosen at load by cpu_features.h), in its own translation unit (see moe_job.h).
 #include "moe_job.h"
 #include "target.h"
+#include "vec_avx2.h"
 
 namespace moe {
 #if MOE_X86
-MOE_TARGET_PUSH("avx2,fma,f16c")
+MOE_TARGET_PUSH(MOE_AVX2_TARGET)
 namespace avx2 {
-#include "vec_avx2.inc"
+using namespace vec_avx2;
 #include "lora_kernels.inc"
 #include "kernels.inc"
 #define MOE_ACT8_AVX2 1

@@ -13,17 +13,17 @@
 // items are handed out by an atomic counter, and the caller waits only for items already started (a scheduled
 // task may start late or never before the call ends; one that starts late finds no item and touches nothing).
 // The reduction order of every output element is fixed by kernels.inc, independent of T, neighbours and threads.
-// int8 activations for 4-bit weights (an explicit option, attribute act_group > 0): act8.inc, act8_kernels.inc
+// int8 activations for 4-bit weights (an explicit option, attribute act_group > 0): act8.h, act8_kernels.inc
 // (their items replace 1. and 2., after a phase that quantizes each pair's input; same order guarantees).
 //
 // ISA: kernels.inc is compiled three times, as moe::avx512 (moe_avx512.cc: F, BW, DQ, VL), moe::avx2 (moe_avx2.cc:
 // AVX2, FMA, F16C) and moe::generic (moe_generic.cc, baseline flags, any CPU); the best variant the CPU runs is
-// chosen once at load with __builtin_cpu_supports (MOEJAX_NATIVE_ISA=avx2 or generic caps it). Which give the same
+// chosen once at load by cpu_features.h (MOEJAX_NATIVE_ISA=avx2 or generic caps it). Which give the same
 // bits (every format, float32 or int8 activations, LoRA): the three run one order of operations (kernels.inc;
-// vec_avx512.inc's 16 lanes are two of the 8-lane chains) and the same C library calls for the activations (expf,
+// vec_avx512.h's 16 lanes are two of the 8-lane chains) and the same C library calls for the activations (expf,
 // tanhf), so
 //  * AVX2 and AVX-512 give the same bits;
-//  * the portable variant built with a fused multiply-add (aarch64) runs the same operations (vec_generic.inc:
+//  * the portable variant built with a fused multiply-add (aarch64) runs the same operations (vec_generic.h:
 //    std::fma, one rounding), so it gives their bits where its C library's expf and tanhf return the x86
 //    machine's values (by construction; not measured on aarch64 hardware);
 //  * the portable variant built for x86-64 (no FMA: the fallback for CPUs without AVX2/FMA/F16C) rounds each
@@ -38,6 +38,7 @@
 #include <unordered_map>
 
 #include "moe_job.h"
+#include "parallel.h"
 
 namespace moe {
 
@@ -45,42 +46,22 @@ namespace moe {
 static std::atomic<const IsaTables*> g_tables{&generic::tables()};
 static std::atomic<const char*> g_isa{"generic"};
 
-// The best variant this CPU runs, up to `cap` ("avx512", "avx2" or "generic"; MOEJAX_NATIVE_ISA, when set, lowers
-// the cap: tests). Returns false for an unknown cap.
-static bool select_isa(std::string cap) {
-  static const char* const kOrder[] = {"generic", "avx2", "avx512"};
-  auto rank = [](const std::string& name) {
-    for (int i = 0; i < 3; ++i)
-      if (name == kOrder[i]) return i;
-    return -1;
-  };
-  int limit = rank(cap);
-  if (limit < 0) return false;
-  const char* want = std::getenv("MOEJAX_NATIVE_ISA");
-  if (want && rank(want) >= 0) limit = std::min(limit, rank(want));
-  const IsaTables* t = &generic::tables();
-  const char* name = "generic";
+// The kernels of variant `isa` (built for this target).
+static const IsaTables& tables_of(Isa isa) {
 #if MOE_X86
-  __builtin_cpu_init();
-  const bool has_avx2 =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  const bool has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  if (limit >= 2 && has_avx512) {
-    t = &avx512::tables();
-    name = "avx512";
-  } else if (limit >= 1 && has_avx2) {
-    t = &avx2::tables();
-    name = "avx2";
-  }
+  if (isa == Isa::kAvx512) return avx512::tables();
+  if (isa == Isa::kAvx2) return avx2::tables();
 #endif
-  g_tables = t;
-  g_isa = name;
-  return true;
+  (void)isa;
+  return generic::tables();
 }
 
-// -- threads ----------------------------------------------------------------------------------------------
-#include "parallel.inc"
+// The best variant this CPU runs, up to `cap` (cpu_features.h's best_isa: MOEJAX_NATIVE_ISA lowers the cap).
+static void select_isa(Isa cap) {
+  const Isa isa = best_isa(cap);
+  g_tables = &tables_of(isa);
+  g_isa = isa_name(isa);
+}
 
 // -- a call's intermediate buffers ---------------------------------------------------------------------------
 // A call's h [P, I] and y [P, H], reused across calls: fresh buffers cost a call the page faults of a new mapping
@@ -442,7 +423,7 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
     }
   }
 
-  Act8Job act8;  // int8 activations (act8.inc): act_group > 0, 4-bit formats only
+  Act8Job act8;  // int8 activations (act8.h): act_group > 0, 4-bit formats only
   if (act_group < 0 || (act_group > 0 && !act8_format(job.fmt)))
     return ffi::Error::InvalidArgument("moejax native: act_group > 0 needs int8, int4, MXFP4 or NVFP4 weights");
   if (act_group > 0) job.act8 = &act8;
@@ -499,7 +480,7 @@ static ffi::Error MoeExpertsCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
                     max_threads, act_group, nullptr);
 }
 
-// MoeExpertsCall with LoRA adapters: the rows' adapter ids [T] and gate, up, down's stacked A, B, scale (lora.inc;
+// MoeExpertsCall with LoRA adapters: the rows' adapter ids [T] and gate, up, down's stacked A, B, scale (lora.h;
 // a target's three buffers empty when absent).
 static ffi::Error MoeExpertsLoRACall(
     ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> weight,
@@ -607,7 +588,7 @@ static auto BindExpertsRest(Binding binding) {
       .template Attr<float>("alpha")
       .template Attr<int64_t>("clamp_after")
       .template Attr<int64_t>("max_threads")
-      .template Attr<int64_t>("act_group");  // 0: float32 activations; > 0: int8 per that many inputs (act8.inc)
+      .template Attr<int64_t>("act_group");  // 0: float32 activations; > 0: int8 per that many inputs (act8.h)
 }
 }  // namespace moe
 
@@ -673,10 +654,12 @@ static PyObject* isa(PyObject*, PyObject*) { return PyUnicode_FromString(moe::g_
 static PyObject* set_isa(PyObject*, PyObject* arg) {
   const char* name = PyUnicode_AsUTF8(arg);
   if (!name) return nullptr;
-  if (!moe::select_isa(std::string(name) == "best" ? "avx512" : name)) {
+  moe::Isa cap = moe::Isa::kAvx512;
+  if (std::string(name) != "best" && !moe::isa_from_name(name, &cap)) {
     PyErr_SetString(PyExc_ValueError, "set_isa: expected 'generic', 'avx2', 'avx512' or 'best'");
     return nullptr;
   }
+  moe::select_isa(cap);
   return PyUnicode_FromString(moe::g_isa.load());
 }
 
@@ -706,10 +689,8 @@ static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_cpu", "moejax's na
                               kMethods, nullptr, nullptr, nullptr, nullptr};
 
 PyMODINIT_FUNC PyInit__native_cpu(void) {
-  moe::select_isa("avx512");
+  moe::select_isa(moe::Isa::kAvx512);
   moe::g_soft_prefetch_f32 = moe::soft_prefetch_f32_default();
-#if MOE_X86
-  moe::g_act8_vnni = __builtin_cpu_supports("avx512vnni");
-#endif
+  moe::g_act8_vnni = moe::cpu_features().avx512_vnni;
   return PyModule_Create(&kModule);
 }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -19,13 +20,11 @@
 #include <utility>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define MOE_X86 1
-#include <immintrin.h>
-#else
-#define MOE_X86 0
-#endif
-
+#include "act8.h"
+#include "cpu_features.h"
+#include "lora.h"
+#include "scalar.h"
+#include "target.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -79,17 +78,6 @@ static inline float activation(const Activation& a, float g, float u) {
   return f(std::min(g, a.limit)) * u;
 }
 
-#include "scalar.inc"  // the scalar decoders (exact; the vector ones match them lane by lane)
-
-// Full unrolling of the small fixed loops over register blocks (keeps GCC's accumulator arrays in registers).
-#if defined(__clang__)
-#define MOE_UNROLL _Pragma("clang loop unroll(full)")
-#elif defined(__GNUC__)
-#define MOE_UNROLL _Pragma("GCC unroll 16")
-#else
-#define MOE_UNROLL
-#endif
-
 // A read prefetch into all cache levels (never faults, whatever the address).
 static inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
@@ -104,14 +92,7 @@ static inline bool soft_prefetch(int fmt) { return fmt != kDenseF32 || g_soft_pr
 // Whether the AVX-512 variant's int8-activation kernels use VNNI (vpdpbusd; the same sums): set at load where the
 // CPU has AVX-512 VNNI.
 inline bool g_act8_vnni = false;
-static inline bool soft_prefetch_f32_default() {
-#if MOE_X86
-  __builtin_cpu_init();
-  return !__builtin_cpu_is("intel");
-#else
-  return true;
-#endif
-}
+static inline bool soft_prefetch_f32_default() { return !cpu_features().intel; }
 
 // One [in, out] projection of one expert (moejax.quantized's layout; dense [in, out] uses q and n_in only).
 struct InOut {
@@ -135,7 +116,7 @@ static inline Scratch& scratch() {  // inline: unused in some of the files that 
   return s;
 }
 
-#include "lora.inc"
+struct Job;
 
 struct Kernels {
   void (*gate_up)(const Job&, int u, int chunk);
@@ -143,7 +124,16 @@ struct Kernels {
   void (*combine)(const Job&, int t0, int t1);
 };
 
-#include "act8.inc"
+// Whether format fmt takes int8 activations (act8.h).
+static constexpr bool act8_format(int fmt) { return fmt == kInt8 || fmt == kInt4 || fmt == kMxfp4 || fmt == kNvfp4; }
+
+// The per-ISA phase items (act8_kernels.inc): quantize the pairs' x / h of union expert u; the gate/up and down
+// items (Kernels.combine is the float32 one).
+struct Act8Kernels {
+  void (*gate_up_inputs)(const Job&, int u);
+  void (*down_inputs)(const Job&, int u);
+  Kernels items;
+};
 
 // Everything one call's work items read; built by the calling thread before the parallel phases.
 struct Job {
@@ -164,8 +154,8 @@ struct Job {
   float* h = nullptr;    // [P, I]
   float* y = nullptr;    // [P, H]
   float* out = nullptr;  // [T, H]
-  LoRAJob* lora = nullptr;  // the adapters of the call (lora.inc), or null
-  Act8Job* act8 = nullptr;  // the int8 inputs of a call with int8 activations (act8.inc), or null
+  LoRAJob* lora = nullptr;  // the adapters of the call (lora.h), or null
+  Act8Job* act8 = nullptr;  // the int8 inputs of a call with int8 activations (act8.h), or null
 
   const uint8_t* field(int f, int e) const { return field_ptr[static_cast<size_t>(f) * E + e]; }
 

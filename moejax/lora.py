@@ -25,7 +25,7 @@ The adapters are a weight wrapper, as flax's `LoRALinear` wraps `Linear`: `adapt
 `LoRAExperts` that the plans read as any weight format; its `expert(e)` is a `LoRAExpert` whose `gate_up` /
 `down_proj` take the rows' adapter ids (`Slots.adapter`, routed with the rows by the plans) and add each row's
 deltas to the base format's float32 projections (the shared expert wraps its weights in a `LoRAExpert` too).
-The native CPU kernels apply them inside their one call (csrc/lora.inc: each (row, expert) pair adds its own
+The native CPU kernels apply them inside their one call (csrc/lora.h: each (row, expert) pair adds its own
 adapter's deltas, batch-invariant); backends that cannot apply adapters (the Pallas kernels, ragged) refuse the
 wrapper, so "auto" runs native on CPU where built, else the plans.
 `pair_delta(pair, x, adapter)` is one target of one expert of a stack (`pair.a [n+1, r, in]`): decode-sized calls

@@ -1,4 +1,4 @@
-"""int8 activations for int8 and 4-bit weights (`Scheme.activations="int8"`, csrc/act8*.inc): the definition by
+"""int8 activations for int8 and 4-bit weights (`Scheme.activations="int8"`, csrc/act8*): the definition by
 hand, the native kernels (AVX-512 VNNI, AVX2 and portable, bit for bit) against the emulated float32 reference for
 int8 and int4 symmetric and asymmetric, MXFP4 and NVFP4 x SiLU and gpt-oss (shapes whose columns end mid-strip
 and groups of 3 code rows), a row's bits alone and inside batches, the XLA plans run the same emulation, the

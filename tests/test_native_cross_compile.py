@@ -8,6 +8,7 @@ targets' libc headers, no system toolchain). By hand: `python -m ziglang c++ -ta
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -18,6 +19,7 @@ from tables import FULL
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(p.name for p in (ROOT / "csrc").glob("*.cc"))
+HEADERS = sorted(p.name for p in (ROOT / "csrc").glob("*.h"))
 TARGETS = {"aarch64-linux-gnu": 183, "x86_64-linux-gnu": 62}  # target: ELF e_machine (EM_AARCH64, EM_X86_64)
 FLAGS = ["-std=c++17", "-O1", "-g0", "-ffp-contract=off", "-fvisibility=hidden", "-fno-math-errno", "-fPIC"]
 
@@ -53,11 +55,24 @@ def test_source_compiles_for_target(target, source, tmp_path):
 @needs_zig
 @pytest.mark.parametrize(("target", "fused"), [("aarch64-linux-gnu", 1), ("x86_64-linux-gnu", 0)])
 def test_the_portable_variant_fuses_multiply_adds_where_the_target_has_them(target, fused, tmp_path):
-    """vec_generic.inc's vfma is std::fma (one rounding: the AVX2 and AVX-512 variants' bits) on aarch64, a product
+    """vec_generic.h's vfma is std::fma (one rounding: the AVX2 and AVX-512 variants' bits) on aarch64, a product
     then a sum on x86-64's baseline (csrc/moe_cpu.cc's header says which variants give which bits)."""
     src = tmp_path / "probe.cc"
-    src.write_text('#include "vec_generic.inc"\nint moe_generic_fused = MOE_GENERIC_FUSED;\n')
+    src.write_text('#include "vec_generic.h"\nint moe_generic_fused = MOE_GENERIC_FUSED;\n')
     cmd = [sys.executable, "-m", "ziglang", "c++", "-target", target, *FLAGS, "-Icsrc", "-E", str(src)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"int moe_generic_fused = {fused};" in done.stdout
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("header", HEADERS)
+def test_every_header_compiles_on_its_own(header, tmp_path):
+    """A csrc/*.h included first and twice (its guard), nothing else: it includes what it uses and defines its names
+    in a namespace of its own, so any file may include it anywhere before its code (the textual per-ISA parts are
+    the .inc files). The host's g++, the setup.py flags, warnings as errors."""
+    src = tmp_path / "alone.cc"
+    src.write_text(f'#include "{header}"\n#include "{header}"\n')
+    cmd = ["g++", *FLAGS, "-Wall", "-Wextra", "-Werror", "-Icsrc", "-isystem", "csrc/third_party", "-fsyntax-only"]
+    done = subprocess.run([*cmd, str(src)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{header}:\n{done.stderr[-4000:]}"

@@ -1,4 +1,4 @@
-"""LoRA adapters on the native CPU path (csrc/lora.inc): the routed experts' deltas inside the kernel against
+"""LoRA adapters on the native CPU path (csrc/lora.h): the routed experts' deltas inside the kernel against
 moejax's float32 reference with adapters, every activation, dense and quantized formats, awkward sizes (odd H
 and I, ranks differing per adapter, targets missing), mixed and out-of-range ids; a row's bits alone equal its
 bits inside batches of other adapters; id-0 rows equal the call without adapters; the whole layer (router and

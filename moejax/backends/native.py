@@ -8,14 +8,14 @@ int8 / int4 group-wise symmetric and asymmetric, FP8 e4m3 with 128x128 blocks, M
 (`moejax.quantized`). Weights are dequantized in registers; activations and accumulation are float32 (the
 numerics of `moejax.slots.reference_routed` on the dequantized weights, to float32 rounding). The 4-bit formats
 with `Scheme.activations == "int8"` (an explicit option, never the default) run int8 activations against the
-4-bit codes in integers (csrc/act8.inc): `moejax.quantized.activations` defines the results and states the error.
+4-bit codes in integers (csrc/act8.h): `moejax.quantized.activations` defines the results and states the error.
 
 Batch invariance by construction: every output element is one fixed chain of operations over its row's
 inputs and the weights (csrc/kernels.inc), so a row's bits do not depend on T, its position, its neighbours or
 the number of threads.
 
 LoRA: the experts wrapped with a stack's adapters (`moejax.lora.LoRAExperts` over any format above) run in the
-same call (the FFI target `moejax_routed_experts_lora`, csrc/lora.inc): each (row, expert) pair adds its own
+same call (the FFI target `moejax_routed_experts_lora`, csrc/lora.h): each (row, expert) pair adds its own
 adapter's deltas, `s · (x·Aᵀ)·Bᵀ` in float32, to gate and up before the activation and to down before the
 combine; rows with adapter id 0 get the bits of the call without adapters, and a row's bits with its adapter do
 not depend on T, its position or its neighbours (their adapters included).

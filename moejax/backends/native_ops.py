@@ -10,7 +10,7 @@ backend is "native" or "auto" (`layer_ops`), the layer runs:
   of fused multiply-adds over k): the router logits `x @ W_router` and the shared expert's sigmoid gate `x @ w`.
 * `shared_ffn`: the shared expert's FFN as one expert of the routed-experts FFI call (csrc/moe_cpu.cc), every row
   with weight 1.0 (`0 + 1.0 · y` is y exactly), with the shared expert's LoRA adapters in the same call
-  (csrc/lora.inc: each row's own adapter, batch-invariant).
+  (csrc/lora.h: each row's own adapter, batch-invariant).
 * `lora_delta(pair, x, adapter)`: the router's and the shared expert's sigmoid gate's LoRA deltas, each row's own
   adapter's `s · (x·Aᵀ)·Bᵀ`, by one FFI call into csrc/moe_cpu.cc (the chains of the experts' adapters,
   csrc/lora_kernels.inc): XLA's `pair_delta` changes its form with the row count.
@@ -256,7 +256,7 @@ class LayerOps:
 # while tracing. Tests set it to compare one thread with the pool.
 _MAX_THREADS = 0
 # Below this many bytes of weights streamed by one call, it runs on the calling thread alone. Each of a call's
-# phases wakes XLA's pool and waits for it (csrc/parallel.inc), a fixed cost of several microseconds per phase,
+# phases wakes XLA's pool and waits for it (csrc/parallel.h), a fixed cost of several microseconds per phase,
 # more on a busy machine, while a thread streams about 4 MiB of float32 weights in ~100 us: in a whole tiny model's
 # decode loop (benchmarks/model_decode.py, H=64, 16 experts, top-4) the pool made the native layers twice as slow
 # as one thread, and one thread was as fast as or faster than the pool up to H=256, I=128, T=8 (1.5 MiB).

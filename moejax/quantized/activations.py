@@ -1,6 +1,6 @@
 """int8 activations for int8 and 4-bit weights (`Scheme.activations == "int8"`): the definition, once, in plain jnp.
 
-An explicit opt-in (never a default): the native CPU kernels (csrc/act8.inc) then multiply int8 activations with
+An explicit opt-in (never a default): the native CPU kernels (csrc/act8.h) then multiply int8 activations with
 the weight codes in integers (`vpdpbusd` with VNNI, `vpmaddubsw` / `vpmaddwd` on AVX2) instead of converting every
 code to float32.
 The semantics, which every implementation follows (the reference and the XLA plans run this function; the Pallas

@@ -1,9 +1,20 @@
-// The thread scheme of moejax's FFI handlers (moe_cpu.cc, linear_cpu.cc): work items 0..n-1 handed out by an
-// atomic counter to XLA's intra-op pool (the FFI's ThreadPool context) and the calling thread. Included inside
-// each handler's namespace, after <algorithm>, <atomic>, <functional>, <memory>, <thread> and `namespace ffi`.
+// The thread scheme of moejax's FFI handlers (moe_cpu.cc, linear_cpu.cc, backward_cpu.cc): work items 0..n-1 handed
+// out by an atomic counter to XLA's intra-op pool (the FFI's ThreadPool context) and the calling thread.
 //
 // The caller works too and then waits only for items already taken: a scheduled task may start late or never
 // before the call ends, and one that starts late finds no item and touches nothing but the shared state it holds.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace moe {
 
 struct ParallelState {
   std::atomic<int64_t> next{0};
@@ -22,7 +33,7 @@ struct ParallelState {
 
 // fn(0..n-1) on the pool's threads and the calling thread; returns when all n have run. max_threads > 0: at most
 // that many threads, the caller's included.
-static void parallel_for(ffi::ThreadPool* pool, int64_t n, int max_threads, std::function<void(int64_t)> fn) {
+inline void parallel_for(xla::ffi::ThreadPool* pool, int64_t n, int max_threads, std::function<void(int64_t)> fn) {
   if (n <= 0) return;
   auto state = std::make_shared<ParallelState>();
   state->n = n;
@@ -36,3 +47,5 @@ static void parallel_for(ffi::ThreadPool* pool, int64_t n, int max_threads, std:
   // Items not yet done were taken by running threads: waiting for them cannot deadlock.
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
+
+}  // namespace moe

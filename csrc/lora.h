@@ -13,6 +13,18 @@
 // Pairs with adapter 0 are never touched: their bits are the no-adapter kernel's. Two rows share a pair only if
 // their inputs and their adapters are equal (phase 0). Every u_j and every delta[c] is one fixed chain
 // (lora_kernels.inc), so a row's bits do not depend on T, its position, its neighbours or their adapters.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace moe {
 
 struct LoRATarget {
   const float* a = nullptr;      // [n_ids, E, r, n_in]; null: the target is absent
@@ -86,3 +98,5 @@ static inline ffi::Error lora_bind_target(LoRAJob& L, int k, ffi::Buffer<ffi::F3
   t.n_out = n_out;
   return ffi::Error::Success();
 }
+
+}  // namespace moe

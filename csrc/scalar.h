@@ -1,5 +1,13 @@
-// Exact scalar decoders of the weight formats (the vector helpers of vec_generic.inc / vec_avx2.inc match them
-// lane by lane). Included inside a namespace by moe_cpu.cc and linear_cpu.cc, after <cmath>, <cstring>, <limits>.
+// Exact scalar decoders of the weight formats, to float32 (the vector decoders of vec_generic.h, vec_avx2.h and
+// vec_avx512.h match them lane by lane).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace moe {
 
 static inline float bits_f32(uint32_t b) {
   float f;
@@ -34,3 +42,5 @@ static inline float e8m0_to_f32(uint8_t s) {
   if (s == 0) return std::ldexp(1.0f, -127);
   return bits_f32(static_cast<uint32_t>(s) << 23);
 }
+
+}  // namespace moe

@@ -16,6 +16,13 @@
 // starting from 0.0f: a product and a sum (no FMA), so the AVX-512, AVX2 and portable kernels give the same bits,
 // and every output element is one fixed chain over its row's inputs (independent of T, the row's position, its
 // neighbours and the threads).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace moe {
 
 // The quantized inputs of one projection input for all pairs of a call.
 struct Act8Rows {
@@ -48,12 +55,4 @@ struct Act8Job {
   Act8Rows x, h;
 };
 
-static constexpr bool act8_format(int fmt) { return fmt == kInt8 || fmt == kInt4 || fmt == kMxfp4 || fmt == kNvfp4; }
-
-// The per-ISA phase items (act8_kernels.inc): quantize the pairs' x / h of union expert u; the gate/up and down
-// items (Kernels.combine is the float32 one).
-struct Act8Kernels {
-  void (*gate_up_inputs)(const Job&, int u);
-  void (*down_inputs)(const Job&, int u);
-  Kernels items;
-};
+}  // namespace moe
