@@ -107,6 +107,16 @@ def test_float32_grads_equal_the_reference(layout, act, sizes, bias, in_scale, s
     assert float(jnp.abs(got[1]).max()) > 1e-3 or not bool(jnp.any(slots.out_weight > 0))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_experts_with_more_rows_than_a_chunk(layout):
+    """1500 rows on 2 experts (about 300 each): each expert's weight gradients are products over several chunks of its rows (and
+    blocks within them), the chains continued in row order."""
+    T, H, I, E, K = 1500, 20, 9, 2, 1
+    experts = _experts(E, H, I, bias=True, layout=layout)
+    x, slots, act, probe = rows(T, H, 1), _slots(T, K, E, 2, in_scale=True), ACTIVATIONS["gelu_tanh"], rows(T, H, 3)
+    _assert_close(_grads("native", experts, x, slots, act, probe), _reference_grads(experts, x, slots, act, probe), 2e-4)
+
+
 def test_the_native_backward_runs_under_native_and_auto():
     """The grad program calls the C++ backward where the native forward runs (under "auto" beside the other
     candidates' program for other platforms, chosen while lowering; under "native" alone: no grouped JAX loop)."""
