@@ -34,9 +34,9 @@ import argparse
 import dataclasses
 import gc
 import json
-from pathlib import Path
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -271,7 +271,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--torch-threads", type=int, default=2)
     parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument("--only", nargs="*", choices=LIBRARIES, default=None, help="the libraries to run (default: all)")
+    parser.add_argument(
+        "--only", nargs="*", choices=LIBRARIES, default=None, help="the libraries to run (default: all)"
+    )
     parser.add_argument("--recompute", action="store_true", help="native backward without saved pre-activations")
     parser.add_argument("--hf-backends", nargs="*", default=None, help="transformers experts backends (default: all)")
     parser.add_argument("--memory-E", type=int, nargs="*", default=None, help="E of the memory rows")
@@ -306,7 +308,9 @@ def main() -> None:
 
         size = " (tiny)" if args.quick else ""
         backward = "recomputed" if args.recompute else "saved"
-        notes = f"Qwen3-30B-A3B layer{size}, float32; LoRA r={RANK}; medians of {args.repeats}; pre-activations {backward}"
+        notes = (
+            f"Qwen3-30B-A3B layer{size}, float32; LoRA r={RANK}; medians of {args.repeats}; pre-activations {backward}"
+        )
         path = Path(args.json) if args.json else None
         write("train_bench", merged(path, rows) if path else rows, path, notes)
 

@@ -109,12 +109,14 @@ def test_float32_grads_equal_the_reference(layout, act, sizes, bias, in_scale, s
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_experts_with_more_rows_than_a_chunk(layout):
-    """1500 rows on 2 experts (about 300 each): each expert's weight gradients are products over several chunks of its rows (and
-    blocks within them), the chains continued in row order."""
+    """1500 rows on 2 experts (about 300 each): each expert's weight gradients are products over several chunks of
+    its rows (and blocks within them), the chains continued in row order."""
     T, H, I, E, K = 1500, 20, 9, 2, 1
     experts = _experts(E, H, I, bias=True, layout=layout)
     x, slots, act, probe = rows(T, H, 1), _slots(T, K, E, 2, in_scale=True), ACTIVATIONS["gelu_tanh"], rows(T, H, 3)
-    _assert_close(_grads("native", experts, x, slots, act, probe), _reference_grads(experts, x, slots, act, probe), 2e-4)
+    _assert_close(
+        _grads("native", experts, x, slots, act, probe), _reference_grads(experts, x, slots, act, probe), 2e-4
+    )
 
 
 def test_the_native_backward_runs_under_native_and_auto():
@@ -282,7 +284,7 @@ def test_a_rows_input_gradient_does_not_depend_on_its_neighbours():
     for n in (1, 4, 150):
         s = Slots(slots.indices[:n], slots.out_weight[:n])
         _, dx, ds = _backward(experts, x[:n], s, act, g[:n], 0, saved=True)
-        out, residual = _train_forward(experts, x[:n], s, act)
+        out = _train_forward(experts, x[:n], s, act)[0]
         results.append([np.asarray(a) for a in (dx[0], ds.out_weight[0], out[0])])
     for got in results[1:]:
         assert all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(got, results[0], strict=True))
@@ -368,7 +370,8 @@ def test_grad_program_memory_does_not_grow_with_the_number_of_experts(layout):
 
 def test_the_isa_variants_agree(monkeypatch):
     """AVX-512 and AVX2 run the same chains of fmas (the same bits; the backward and the training forward); the
-    portable variant is within float32 rounding (on x86-64 it has no fused multiply-add). The variant is read per call (MOEJAX_NATIVE_ISA)."""
+    portable variant is within float32 rounding (on x86-64 it has no fused multiply-add). The variant is read per
+    call (MOEJAX_NATIVE_ISA)."""
     E, H, I, T, K = 4, 40, 24, 30, 3
     experts = _experts(E, H, I, bias=True)
     x, slots, act, g = rows(T, H, 1), _slots(T, K, E, 2, in_scale=True), ACTIVATIONS["gelu_tanh"], rows(T, H, 3)

@@ -27,9 +27,9 @@ reference's up to float32 summation order, at a cost proportional to T·K. The n
 native training forward (`native.routed_train_forward`: the output within float32 rounding of the forward kernels',
 and each routed pair's gate/up pre-activations, `T·K·2I` float32, saved for the backward); with
 `native.save_residuals(False)` it is the plain forward and the backward recomputes them. The fwd rule runs only
-under differentiation: a plain forward is unchanged. `jax.checkpoint` around the layer recomputes the whole forward. The reference and ragged
-(`jax.lax.ragged_dot`'s own transpose) are differentiated as they are. Forward-mode (`jax.jvp`) of the plans is
-not defined.
+under differentiation: a plain forward is unchanged. `jax.checkpoint` around the layer recomputes the whole
+forward. The reference and ragged (`jax.lax.ragged_dot`'s own transpose) are differentiated as they are.
+Forward-mode (`jax.jvp`) of the plans is not defined.
 """
 
 from __future__ import annotations
