@@ -101,7 +101,10 @@ def save_residuals(on: bool = True) -> None:
     """Under `jax.grad`, keep each routed pair's gate/up pre-activations from the forward for the native backward
     (True, the default: `T·K·2I` float32 more memory until the backward, 6 matrix products per expert there), or
     recompute them in the backward (False: 8 products, no residual; the forward is then the inference kernels').
-    Read while tracing, part of the key of JAX's caches (as `enable`)."""
+    Read while tracing, part of the key of JAX's caches (as `enable`). Choose it before the first differentiated
+    call: with JAX 0.10.2, a jitted gradient called again after switching back and forth (both choices compiled in
+    one process) was seen to run the last compiled choice (the same gradients; the output's bits and the cost
+    are the other choice's)."""
     _SAVE_RESIDUALS.set_global(None if on else False)
 
 
