@@ -14,11 +14,18 @@ On the Qwen3-30B-A3B layer (H=2048, E=128, top-8, I=768, float32), in one proces
 Times are medians of --repeats rounds after a warm-up round; a round calls each contender of a library once
 (interleaved within moejax, within transformers and within peft; one library after the other, since two copies of
 the layer's weights and gradients beside a third fill a 24 GB machine: run it on a quiet machine). torch runs with
-2 threads (--torch-threads).
+2 threads (--torch-threads). `--only moejax|hf|peft` runs one library per process (a process's peak memory is one
+library's); `--json PATH` then merges its fields into PATH's rows (by case), and the ratios are taken once both
+sides are there. `--recompute` runs moejax's native backward without the saved pre-activations
+(`moejax.backends.native.save_residuals(False)`), for an A/B in two processes.
 
     pip install -e ".[peft]"                          # torch (CPU), transformers, peft
     JAX_PLATFORMS=cpu python benchmarks/train_bench.py --json   # T=512 and 2048, median of 3; benchmarks/results/
     python benchmarks/train_bench.py --quick           # tiny shapes: a smoke run
+    # one library per process, merged into one results file:
+    for lib in moejax hf peft; do
+      JAX_PLATFORMS=cpu python benchmarks/train_bench.py --only $lib --json benchmarks/results/train_bench_run.json
+    done
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -206,6 +215,55 @@ def temp_memory(cfg, T: int, num_experts: tuple[int, ...]) -> list[dict]:
     return rows
 
 
+LIBRARIES = ("moejax", "hf", "peft")
+
+
+def measure(library: str, layer, params, lora, x, probe, args, backends) -> tuple[dict, dict]:
+    """One library's fields of a T's row (and the backends it skipped, with their reasons)."""
+    if library == "moejax":
+        ours = moejax_calls(layer.cfg, params, x, probe, lora)
+        for call in ours.values():
+            call()  # compile
+        ms = {name: median_ms(s) for name, s in interleaved(ours, args.repeats).items()}
+        del ours
+        gc.collect()
+        fwd = ms["fwd"]
+        row = {"fwd_ms": fwd, "full_ms": ms["full"], "full_x_fwd": ms["full"] / fwd}
+        return row | {"lora_ms": ms["lora"], "lora_x_fwd": ms["lora"] / fwd}, {}
+    theirs, skipped = hf_calls(layer, params, x, probe, args.torch_threads, backends, peft=library == "peft")
+    ms = {name: median_ms(s) for name, s in interleaved(theirs, args.repeats).items()}
+    del theirs
+    gc.collect()
+    print(library, ms, flush=True)
+    if library == "peft":
+        peft = [(v, k) for k, v in ms.items()]
+        return ({"peft_best_ms": min(peft)[0], "peft_best": min(peft)[1].split()[1]} if peft else {}), skipped
+    full = [(v, k) for k, v in ms.items() if k.endswith(" full")]
+    if not full:
+        return {}, skipped
+    best = min(full)[1].split()[1]
+    return {"hf_best_full_ms": min(full)[0], "hf_best": best, "hf_best_fwd_ms": ms[f"hf {best} fwd"]}, skipped
+
+
+def with_ratios(row: dict) -> dict:
+    """The row with the cross-library ratios its fields allow, floats rounded."""
+    row = dict(row)
+    if "hf_best_full_ms" in row and "full_ms" in row:
+        row["hf_over_full"] = row["hf_best_full_ms"] / row["full_ms"]
+    if "peft_best_ms" in row and "lora_ms" in row:
+        row["peft_over_lora"] = row["peft_best_ms"] / row["lora_ms"]
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
+
+
+def merged(path: Path, rows: list[dict]) -> list[dict]:
+    """PATH's rows (when the file exists) updated with `rows`' fields, case by case, in PATH's order."""
+    old = json.loads(path.read_text())["results"] if path.exists() else []
+    by_case = {row["case"]: dict(row) for row in old}
+    for row in rows:
+        by_case.setdefault(row["case"], {}).update(row)
+    return [with_ratios(row) for row in by_case.values()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -213,10 +271,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--torch-threads", type=int, default=2)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument(
+        "--only", nargs="*", choices=LIBRARIES, default=None, help="the libraries to run (default: all)"
+    )
+    parser.add_argument("--recompute", action="store_true", help="native backward without saved pre-activations")
     parser.add_argument("--hf-backends", nargs="*", default=None, help="transformers experts backends (default: all)")
     parser.add_argument("--memory-E", type=int, nargs="*", default=None, help="E of the memory rows")
     parser.add_argument("--json", nargs="?", const="", default=None, help="results file (default: results/)")
     args = parser.parse_args()
+    libraries = args.only or LIBRARIES
+    if args.recompute:
+        from moejax.backends import native
+
+        native.save_residuals(False)
     layer = vs_hf.make_layer("qwen3-30b-a3b", args.quick)
     cfg = layer.cfg
     params = moejax.init_params(cfg, jax.random.key(0), jnp.float32)
@@ -226,44 +293,26 @@ def main() -> None:
     for T in args.T or ((64, 256) if args.quick else (512, 2048)):
         x = jax.random.normal(jax.random.key(1), (T, cfg.hidden_size), jnp.float32)
         probe = jax.random.normal(jax.random.key(2), (T, cfg.hidden_size), jnp.float32)
-        ours = moejax_calls(cfg, params, x, probe, lora)
-        for call in ours.values():
-            call()  # compile
-        samples = interleaved({f"moejax {k}": v for k, v in ours.items()}, args.repeats)
-        del ours
-        gc.collect()
-        print("moejax", {name: median_ms(s) for name, s in samples.items()}, flush=True)
-        # Each library on its own (a second copy of the layer's weights beside the first fills a 24 GB machine).
-        theirs, skipped = hf_calls(layer, params, x, probe, args.torch_threads, backends, peft=False)
-        samples |= interleaved(theirs, args.repeats)
-        del theirs
-        gc.collect()
-        theirs, more_skipped = hf_calls(layer, params, x, probe, args.torch_threads, backends, peft=True)
-        samples |= interleaved(theirs, args.repeats)
-        skipped |= more_skipped
-        del theirs
-        gc.collect()
-        ms = {name: median_ms(s) for name, s in samples.items()}
-        fwd = ms["moejax fwd"]
-        hf_full = min((v, k) for k, v in ms.items() if k.startswith("hf ") and k.endswith(" full"))
-        peft = [(v, k) for k, v in ms.items() if k.startswith("peft ")]
-        row = {"case": f"T={T}", "fwd_ms": fwd, "full_ms": ms["moejax full"], "full_x_fwd": ms["moejax full"] / fwd}
-        row |= {"hf_best_full_ms": hf_full[0], "hf_best": hf_full[1].split()[1]}
-        row |= {"hf_over_full": hf_full[0] / ms["moejax full"]}
-        row |= {"lora_ms": ms["moejax lora"], "lora_x_fwd": ms["moejax lora"] / fwd}
-        if peft:
-            row |= {"peft_best_ms": min(peft)[0], "peft_over_lora": min(peft)[0] / ms["moejax lora"]}
-        rows.append({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
-        print(rows[-1], "\n  all:", ms, "\n  skipped:", skipped, flush=True)
-    if not args.no_memory:
+        row, skipped = {"case": f"T={T}"}, {}
+        for library in libraries:
+            fields, more_skipped = measure(library, layer, params, lora, x, probe, args, backends)
+            row |= fields
+            skipped |= more_skipped
+        rows.append(with_ratios(row))
+        print(rows[-1], "\n  skipped:", skipped, flush=True)
+    if not args.no_memory and "moejax" in libraries:
         sizes = args.memory_E or ((16, 64) if args.quick else (16, 64, 128, 256))
         rows += temp_memory(cfg, 64 if args.quick else 512, tuple(sizes))
     if args.json is not None:
         from report import write  # benchmarks/report.py: the results files' one schema
 
         size = " (tiny)" if args.quick else ""
-        notes = f"Qwen3-30B-A3B layer{size}, float32; LoRA r={RANK}; medians of {args.repeats}"
-        write("train_bench", rows, args.json or None, notes)
+        backward = "recomputed" if args.recompute else "saved"
+        notes = (
+            f"Qwen3-30B-A3B layer{size}, float32; LoRA r={RANK}; medians of {args.repeats}; pre-activations {backward}"
+        )
+        path = Path(args.json) if args.json else None
+        write("train_bench", merged(path, rows) if path else rows, path, notes)
 
 
 if __name__ == "__main__":

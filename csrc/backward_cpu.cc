@@ -6,7 +6,7 @@
 //   0. (calling thread) the routed (row, expert) pairs, grouped by expert in order of rows: slots with an id
 //      outside [0, E) are skipped; a row's slots with the same expert are one pair (summed scale and weight).
 //   1. work items of union experts (backward_kernels.inc): per block of the expert's rows, the forward's gate/up
-//      recomputed, q = g·downᵀ, h = act(gate, up), <g, y> = <h, q> (+ the down bias), the gate/up gradients
+//      (read from the training forward's residual, or recomputed: the same bits), q = g·downᵀ, h = act(gate, up), <g, y> = <h, q> (+ the down bias), the gate/up gradients
 //      through the activation's derivative for dh = w·q, the rows' input gradients dxs = dgate·gateᵀ + dup·upᵀ,
 //      <dxs, x> for the input scale, and the weight gradients as outer products summed over the expert's rows.
 //      The expert's weights are read once per block (in cache for all of its products).
@@ -14,6 +14,11 @@
 // One thread owns an expert: every gradient is one fixed chain of operations (backward_kernels.inc), so the bits
 // do not depend on the threads, and a row's dx not on its neighbours. Weight gradients of experts without pairs
 // are zeros.
+//
+// The training forward (TrainForwardCall, the FFI target moejax_routed_experts_train_forward, run by jax.grad's
+// forward) computes the routed sum over the same pairs with the same product routine and saves each pair's gate|up
+// [P, 2I] for the backward: its output equals the forward kernels' within float32 rounding (another summation
+// order), with the same invariances.
 //
 // ISA: backward_kernels.inc compiled three times in this file (AVX-512 with 16 lanes, AVX2 + FMA with 8, the
 // portable variant), the best the CPU runs chosen per call (MOEJAX_NATIVE_ISA caps it, as for the forward). Every
@@ -148,29 +153,22 @@ static std::vector<int> build_pairs(BwdJob& job, int T, int K, const int32_t* id
   return slot_pair;
 }
 
-static ffi::Error BackwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g,
-                               ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> weight,
-                               ffi::Buffer<ffi::F32> in_scale, ffi::Buffer<ffi::F32> gate_up_bias,
-                               ffi::Buffer<ffi::F32> down_bias, ffi::Buffer<ffi::F32> scale2,
-                               ffi::RemainingArgs weights,
-                               ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> d_weight,
-                               ffi::ResultBuffer<ffi::F32> d_in_scale, ffi::ResultBuffer<ffi::F32> d_gate_up_bias,
-                               ffi::ResultBuffer<ffi::F32> d_down_bias, ffi::RemainingRets d_weights, int64_t fmt,
-                               int64_t num_experts, int64_t intermediate, int64_t group, int64_t fields_per_proj,
-                               int64_t per_expert, int64_t act_kind,
-                               int64_t has_limit, float limit, float alpha, int64_t clamp_after,
-                               int64_t max_threads) {
-  BwdJob job;
+// The call's shape, format, activation, biases and weights (what the training forward and the backward share);
+// idx, weight and in_scale are checked here, read by build_pairs.
+static ffi::Error read_call(BwdJob& job, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& idx,
+                            ffi::Buffer<ffi::F32>& weight, ffi::Buffer<ffi::F32>& in_scale,
+                            ffi::Buffer<ffi::F32>& gate_up_bias, ffi::Buffer<ffi::F32>& down_bias,
+                            ffi::Buffer<ffi::F32>& scale2, ffi::RemainingArgs& weights, int64_t fmt,
+                            int64_t num_experts, int64_t intermediate, int64_t group, int64_t fields_per_proj,
+                            int64_t per_expert, int64_t act_kind, int64_t has_limit, float limit, float alpha,
+                            int64_t clamp_after) {
   const auto xd = x.dimensions(), id = idx.dimensions();
-  if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0] || g.element_count() != x.element_count())
-    return ffi::Error::InvalidArgument("moejax native backward: x [T, H], g [T, H], indices [T, K]");
+  if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0])
+    return ffi::Error::InvalidArgument("moejax native backward: x [T, H], indices [T, K]");
   if (fmt < 0 || fmt >= kNumFormats) return ffi::Error::InvalidArgument("moejax native backward: unknown format");
   const bool quantized = fmt >= kInt8;
-  if (quantized && (d_weights.size() || d_gate_up_bias->element_count()))
-    return ffi::Error::InvalidArgument("moejax native backward: quantized weights are frozen (no weight gradient)");
   if (quantized && (fields_per_proj < 2 || fields_per_proj > 3))
     return ffi::Error::InvalidArgument("moejax native backward: fields_per_proj must be 2 or 3");
-  const int T = static_cast<int>(xd[0]), K = static_cast<int>(id[1]);
   job.fmt = static_cast<int>(fmt);
   job.fused = fmt >= kFusedF32 && fmt <= kFusedF16;
   job.H = static_cast<int>(xd[1]);
@@ -184,58 +182,95 @@ static ffi::Error BackwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
     job.scale2 = scale2.typed_data();
   }
   job.act = Activation{static_cast<int>(act_kind), has_limit != 0, limit, alpha, clamp_after != 0};
-  const size_t TK = static_cast<size_t>(T) * K, E = job.E;
-  const bool has_in_scale = in_scale.element_count() != 0;
-  if (weight.element_count() != TK || d_weight->element_count() != TK ||
-      (has_in_scale && (in_scale.element_count() != TK || d_in_scale->element_count() != TK)))
-    return ffi::Error::InvalidArgument("moejax native backward: out_weight, in_scale and their gradients [T, K]");
+  const size_t TK = static_cast<size_t>(id[0]) * id[1], E = job.E;
+  if (weight.element_count() != TK || (in_scale.element_count() != 0 && in_scale.element_count() != TK))
+    return ffi::Error::InvalidArgument("moejax native backward: out_weight and in_scale must be [T, K]");
   if (gate_up_bias.element_count()) {
     if (gate_up_bias.element_count() != E * 2 * job.I || down_bias.element_count() != E * job.H)
       return ffi::Error::InvalidArgument("moejax native backward: biases must be [E, 2I] and [E, H]");
     job.gate_up_bias = gate_up_bias.typed_data();
     job.down_bias = down_bias.typed_data();
-    if (d_gate_up_bias->element_count()) {
-      if (d_gate_up_bias->element_count() != E * 2 * job.I || d_down_bias->element_count() != E * job.H)
-        return ffi::Error::InvalidArgument("moejax native backward: bias gradients must be [E, 2I] and [E, H]");
-      job.d_gate_up_bias = d_gate_up_bias->typed_data();
-      job.d_down_bias = d_down_bias->typed_data();
-    }
   }
-  // Weights: per-expert, field-major [field][expert] buffers; stacked, one [E, ...] buffer per field. Their
-  // gradients (when wanted) the same way, float32.
+  // Weights: per-expert, field-major [field][expert] buffers; stacked, one [E, ...] buffer per field.
   const size_t nfields = job.num_fields(), nbuf = per_expert ? nfields * E : nfields;
-  if (weights.size() != nbuf || (d_weights.size() != 0 && d_weights.size() != nbuf))
+  if (weights.size() != nbuf)
     return ffi::Error::InvalidArgument("moejax native backward: weight buffers do not match the format");
   job.field_ptr.resize(nfields * E);
-  if (d_weights.size()) job.dw_ptr.resize(nfields * E);
   const size_t elem = job.fmt == kDenseF32 || job.fmt == kFusedF32 ? 4 : 2;
   for (size_t b = 0; b < nbuf; ++b) {
     auto buf = weights.get<ffi::AnyBuffer>(b);
     if (!buf.has_value()) return buf.error();
     const int f = static_cast<int>(per_expert ? b / E : b);
-    const size_t per = quantized ? buf->size_bytes() / (per_expert ? 1 : E) : job.field_size(f);
-    if (!quantized && buf->size_bytes() != per * elem * (per_expert ? 1 : E))
+    const size_t per = quantized ? buf->size_bytes() / (per_expert ? 1 : E) : job.field_size(f) * elem;
+    if (!quantized && buf->size_bytes() != per * (per_expert ? 1 : E))
       return ffi::Error::InvalidArgument("moejax native backward: a weight buffer's size does not fit H and I");
     const uint8_t* base = static_cast<const uint8_t*>(buf->untyped_data());
-    float* d_base = nullptr;
-    if (d_weights.size()) {
-      auto d = d_weights.get<ffi::Buffer<ffi::F32>>(b);
-      if (!d.has_value()) return d.error();
-      if ((*d)->element_count() != per * (per_expert ? 1 : E))
-        return ffi::Error::InvalidArgument("moejax native backward: a weight gradient's size does not fit");
-      d_base = (*d)->typed_data();
-    }
-    for (size_t e = 0; e < (per_expert ? 1 : E); ++e) {
-      const size_t slot = per_expert ? b : f * E + e;
-      job.field_ptr[slot] = base + (quantized ? per : per * elem) * e;
-      if (d_base) job.dw_ptr[slot] = d_base + per * e;
-    }
+    for (size_t e = 0; e < (per_expert ? 1 : E); ++e) job.field_ptr[per_expert ? b : f * E + e] = base + per * e;
   }
   job.x = x.typed_data();
+  return ffi::Error::Success();
+}
+
+// The weight gradients' buffers (float32, the weights' buffers' order) into job.dw_ptr.
+static ffi::Error read_weight_gradients(BwdJob& job, ffi::RemainingRets& d_weights, int64_t per_expert) {
+  const size_t E = job.E, nfields = job.num_fields(), nbuf = per_expert ? nfields * E : nfields;
+  if (d_weights.size() != 0 && d_weights.size() != nbuf)
+    return ffi::Error::InvalidArgument("moejax native backward: weight gradients do not match the format");
+  if (d_weights.size()) job.dw_ptr.resize(nfields * E);
+  for (size_t b = 0; b < d_weights.size(); ++b) {
+    auto d = d_weights.get<ffi::Buffer<ffi::F32>>(b);
+    if (!d.has_value()) return d.error();
+    const int f = static_cast<int>(per_expert ? b / E : b);
+    const size_t per = job.field_size(f);
+    if ((*d)->element_count() != per * (per_expert ? 1 : E))
+      return ffi::Error::InvalidArgument("moejax native backward: a weight gradient's size does not fit");
+    for (size_t e = 0; e < (per_expert ? 1 : E); ++e)
+      job.dw_ptr[per_expert ? b : f * E + e] = (*d)->typed_data() + per * e;
+  }
+  return ffi::Error::Success();
+}
+
+static ffi::Error BackwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g,
+                               ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> weight,
+                               ffi::Buffer<ffi::F32> in_scale, ffi::Buffer<ffi::F32> gate_up_bias,
+                               ffi::Buffer<ffi::F32> down_bias, ffi::Buffer<ffi::F32> scale2,
+                               ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs weights,
+                               ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> d_weight,
+                               ffi::ResultBuffer<ffi::F32> d_in_scale, ffi::ResultBuffer<ffi::F32> d_gate_up_bias,
+                               ffi::ResultBuffer<ffi::F32> d_down_bias, ffi::RemainingRets d_weights, int64_t fmt,
+                               int64_t num_experts, int64_t intermediate, int64_t group, int64_t fields_per_proj,
+                               int64_t per_expert, int64_t act_kind,
+                               int64_t has_limit, float limit, float alpha, int64_t clamp_after,
+                               int64_t max_threads) {
+  BwdJob job;
+  if (ffi::Error err = read_call(job, x, idx, weight, in_scale, gate_up_bias, down_bias, scale2, weights, fmt,
+                                 num_experts, intermediate, group, fields_per_proj, per_expert, act_kind, has_limit,
+                                 limit, alpha, clamp_after);
+      err.failure())
+    return err;
+  if (g.element_count() != x.element_count())
+    return ffi::Error::InvalidArgument("moejax native backward: g must be [T, H]");
+  if (fmt >= kInt8 && (d_weights.size() || d_gate_up_bias->element_count()))
+    return ffi::Error::InvalidArgument("moejax native backward: quantized weights are frozen (no weight gradient)");
+  if (ffi::Error err = read_weight_gradients(job, d_weights, per_expert); err.failure()) return err;
+  const int T = static_cast<int>(x.dimensions()[0]), K = static_cast<int>(idx.dimensions()[1]);
+  const size_t TK = static_cast<size_t>(T) * K, E = job.E, H = job.H;
+  const bool has_in_scale = in_scale.element_count() != 0;
+  if (d_weight->element_count() != TK || (has_in_scale && d_in_scale->element_count() != TK))
+    return ffi::Error::InvalidArgument("moejax native backward: the slots' gradients must be [T, K]");
+  if (residual.element_count() != 0 && residual.element_count() != TK * 2 * job.I)
+    return ffi::Error::InvalidArgument("moejax native backward: the residual must be [T * K, 2I] or empty");
+  if (residual.element_count()) job.residual = residual.typed_data();
+  if (job.gate_up_bias && d_gate_up_bias->element_count()) {
+    if (d_gate_up_bias->element_count() != E * 2 * job.I || d_down_bias->element_count() != E * H)
+      return ffi::Error::InvalidArgument("moejax native backward: bias gradients must be [E, 2I] and [E, H]");
+    job.d_gate_up_bias = d_gate_up_bias->typed_data();
+    job.d_down_bias = d_down_bias->typed_data();
+  }
   job.g = g.typed_data();
   const std::vector<int> slot_pair = build_pairs(job, T, K, idx.typed_data(), weight.typed_data(),
                                                  has_in_scale ? in_scale.typed_data() : nullptr);
-  const size_t P = job.pair_token.size(), H = job.H;
+  const size_t P = job.pair_token.size(), nfields = job.num_fields();
   std::unique_ptr<float[]> pair_dx(new float[P * H]), pair_dout(new float[P]), pair_dscale(new float[P]);
   job.pair_dx = pair_dx.get();
   job.pair_dout = pair_dout.get();
@@ -289,6 +324,57 @@ static ffi::Error BackwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   return ffi::Error::Success();
 }
 
+// The training forward: out = the routed sum (as the forward kernels define it, in the backward's products: the
+// same values within float32 rounding) and each pair's gate|up, the residual the backward reads. The combine is
+// the forward kernels': per row and column, acc + w_k · y_k over the slots in order, slots of weight 0 skipped.
+static ffi::Error TrainForwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
+                                   ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> in_scale,
+                                   ffi::Buffer<ffi::F32> gate_up_bias, ffi::Buffer<ffi::F32> down_bias,
+                                   ffi::Buffer<ffi::F32> scale2, ffi::RemainingArgs weights,
+                                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> residual,
+                                   int64_t fmt, int64_t num_experts, int64_t intermediate, int64_t group,
+                                   int64_t fields_per_proj, int64_t per_expert, int64_t act_kind, int64_t has_limit,
+                                   float limit, float alpha, int64_t clamp_after, int64_t max_threads) {
+  BwdJob job;
+  if (ffi::Error err = read_call(job, x, idx, weight, in_scale, gate_up_bias, down_bias, scale2, weights, fmt,
+                                 num_experts, intermediate, group, fields_per_proj, per_expert, act_kind, has_limit,
+                                 limit, alpha, clamp_after);
+      err.failure())
+    return err;
+  const int T = static_cast<int>(x.dimensions()[0]), K = static_cast<int>(idx.dimensions()[1]);
+  const size_t TK = static_cast<size_t>(T) * K, H = job.H, I2 = 2 * static_cast<size_t>(job.I);
+  if (out->element_count() != x.element_count() || residual->element_count() != TK * I2)
+    return ffi::Error::InvalidArgument("moejax native training forward: out [T, H], residual [T * K, 2I]");
+  const std::vector<int> slot_pair = build_pairs(job, T, K, idx.typed_data(), weight.typed_data(),
+                                                 in_scale.element_count() ? in_scale.typed_data() : nullptr);
+  const size_t P = job.pair_token.size();
+  std::unique_ptr<float[]> pair_y(new float[P * H]);
+  job.pair_y = pair_y.get();
+  job.residual = residual->typed_data();
+  std::fill(job.residual + P * I2, job.residual + TK * I2, 0.0f);  // rows of no pair: defined bits
+  const int mt = static_cast<int>(max_threads);
+  const BwdKernels& k = best_kernels();
+  parallel_for(&pool, static_cast<int64_t>(job.union_ids.size()), mt,
+               [&](int64_t i) { k.forward(job, static_cast<int>(i)); });
+  const float* w = weight.typed_data();
+  float* o = out->typed_data();
+  constexpr int kRows = 8;
+  parallel_for(&pool, (T + kRows - 1) / kRows, mt, [&](int64_t i) {
+    for (int t = static_cast<int>(i) * kRows; t < std::min(T, static_cast<int>(i + 1) * kRows); ++t) {
+      float* d = o + static_cast<size_t>(t) * H;
+      std::fill(d, d + H, 0.0f);
+      for (int s = 0; s < K; ++s) {
+        const size_t slot = static_cast<size_t>(t) * K + s;
+        const int p = slot_pair[slot];
+        if (p < 0 || w[slot] == 0.0f) continue;
+        const float* y = job.pair_y + static_cast<size_t>(p) * H;
+        for (size_t c = 0; c < H; ++c) d[c] = d[c] + w[slot] * y[c];
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace bwd
 }  // namespace moe
 
@@ -303,6 +389,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExpertsBackward, moe::bwd::BackwardCal
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gate|up bias [E, 2I] or [0]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // down bias [E, H] or [0]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // NVFP4 scale2 [3, E] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual [T * K, 2I] or [0]: recompute
                                   .RemainingArgs()               // the weight buffers
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dx [T, H]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d out_weight [T, K]
@@ -310,6 +397,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExpertsBackward, moe::bwd::BackwardCal
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d gate|up bias [E, 2I] or [0]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d down bias [E, H] or [0]
                                   .RemainingRets()               // the weight gradients (none: base frozen)
+                                  .Attr<int64_t>("fmt")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("intermediate")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("fields_per_proj")
+                                  .Attr<int64_t>("per_expert")
+                                  .Attr<int64_t>("act_kind")
+                                  .Attr<int64_t>("has_limit")
+                                  .Attr<float>("limit")
+                                  .Attr<float>("alpha")
+                                  .Attr<int64_t>("clamp_after")
+                                  .Attr<int64_t>("max_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExpertsTrainForward, moe::bwd::TrainForwardCall,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // indices [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // out_weight [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // in_scale [T, K] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate|up bias [E, 2I] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // down bias [E, H] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // NVFP4 scale2 [3, E] or [0]
+                                  .RemainingArgs()               // the weight buffers
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // residual [T * K, 2I]
                                   .Attr<int64_t>("fmt")
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("intermediate")

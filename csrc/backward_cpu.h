@@ -23,6 +23,10 @@ struct BwdJob {
   const float* down_bias = nullptr;       // [E, H] or null
   const float* x = nullptr;               // [T, H]
   const float* g = nullptr;               // [T, H] the cotangent of the routed sum
+  // [P, 2I] each pair's gate|up before the biases, in pair order: the training forward writes them, the backward
+  // reads them instead of recomputing them (null: the backward recomputes them).
+  float* residual = nullptr;
+  float* pair_y = nullptr;        // [P, H] the training forward's per-pair expert outputs
   // Routing (built by the calling thread).
   std::vector<int> union_ids, pair_start;  // [U], [U + 1]
   std::vector<int> pair_token;             // [P]
@@ -46,7 +50,8 @@ struct BwdJob {
 
 // The work items of one ISA variant.
 struct BwdKernels {
-  void (*expert)(const BwdJob&, int u);  // every pair of union expert u, and its weight gradients
+  void (*expert)(const BwdJob&, int u);   // every pair of union expert u, and its weight gradients
+  void (*forward)(const BwdJob&, int u);  // the training forward of union expert u: pair_y and residual
 };
 
 namespace generic {

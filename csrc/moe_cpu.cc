@@ -623,6 +623,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLoRADelta, moe::NoThrow<moe::LoRADeltaCall>:
 extern "C" XLA_FFI_Error* MoejaxLinear(XLA_FFI_CallFrame* call_frame);  // csrc/linear_cpu.cc
 extern "C" XLA_FFI_Error* MoejaxScores(XLA_FFI_CallFrame* call_frame);  // csrc/scores_cpu.cc
 extern "C" XLA_FFI_Error* MoejaxRoutedExpertsBackward(XLA_FFI_CallFrame* call_frame);  // csrc/backward_cpu.cc
+extern "C" XLA_FFI_Error* MoejaxRoutedExpertsTrainForward(XLA_FFI_CallFrame* call_frame);  // csrc/backward_cpu.cc
 
 static PyObject* registrations(PyObject*, PyObject*) {
   PyObject* dict = PyDict_New();
@@ -634,6 +635,7 @@ static PyObject* registrations(PyObject*, PyObject*) {
       {"moejax_linear", reinterpret_cast<void*>(&MoejaxLinear)},
       {"moejax_scores", reinterpret_cast<void*>(&MoejaxScores)},
       {"moejax_routed_experts_backward", reinterpret_cast<void*>(&MoejaxRoutedExpertsBackward)},
+      {"moejax_routed_experts_train_forward", reinterpret_cast<void*>(&MoejaxRoutedExpertsTrainForward)},
   };
   for (const auto& [name, fn] : handlers) {
     PyObject* capsule = PyCapsule_New(fn, nullptr, nullptr);

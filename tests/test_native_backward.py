@@ -70,6 +70,18 @@ def test_float32_grads_equal_the_reference(layout, act, sizes, bias, in_scale, s
     assert float(jnp.abs(got[1]).max()) > 1e-3 or not bool(jnp.any(slots.out_weight > 0))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_experts_with_more_rows_than_a_chunk(layout):
+    """1500 rows on 2 experts (about 300 each): each expert's weight gradients are products over several chunks of
+    its rows (and blocks within them), the chains continued in row order."""
+    T, H, I, E, K = 1500, 20, 9, 2, 1
+    experts = _experts(E, H, I, bias=True, layout=layout)
+    x, slots, act, probe = rows(T, H, 1), _slots(T, K, E, 2, in_scale=True), ACTIVATIONS["gelu_tanh"], rows(T, H, 3)
+    _assert_close(
+        _grads("native", experts, x, slots, act, probe), _reference_grads(experts, x, slots, act, probe), 2e-4
+    )
+
+
 def test_the_native_backward_runs_under_native_and_auto():
     """The grad program calls the C++ backward where the native forward runs (under "auto" beside the other
     candidates' program for other platforms, chosen while lowering; under "native" alone: no grouped JAX loop)."""
@@ -111,10 +123,27 @@ def test_frozen_base_gives_input_gradients_only():
     assert f"f32[{E},{H},{I}]" not in call  # no weight gradient among the call's results
 
 
-def _backward(experts, x, slots, act, g, threads):
-    perturbed = (jax.tree.map(lambda _: True, experts), True, Slots(False, True, slots.in_scale is not None, None))
-    run = lambda experts, x, slots, g: native.routed_backward(experts, x, slots, act, g, perturbed, max_threads=threads)
-    return jax.jit(run)(experts, x, slots, g)
+def _perturbed(experts, slots):
+    return (jax.tree.map(lambda _: True, experts), True, Slots(False, True, slots.in_scale is not None, None))
+
+
+def _train_forward(experts, x, slots, act, threads=0):
+    """The training forward's (out, residual)."""
+    perturbed = _perturbed(experts, slots)
+    run = lambda experts, x, slots: native.routed_train_forward(experts, x, slots, act, perturbed, max_threads=threads)
+    return jax.jit(run)(experts, x, slots)
+
+
+def _backward(experts, x, slots, act, g, threads, *, saved=False):
+    """The backward's cotangents; saved: reading the training forward's residual (same threads) instead of
+    recomputing the pre-activations."""
+    perturbed = _perturbed(experts, slots)
+    residual = _train_forward(experts, x, slots, act, threads)[1] if saved else None
+
+    def run(experts, x, slots, g, residual):
+        return native.routed_backward(experts, x, slots, act, g, perturbed, residual=residual, max_threads=threads)
+
+    return jax.jit(run)(experts, x, slots, g, residual)
 
 
 def _bits(tree) -> list[np.ndarray]:
@@ -123,18 +152,93 @@ def _bits(tree) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_bits_are_the_same_run_to_run_and_at_any_thread_count(layout):
+    """The backward, recomputing or reading the saved pre-activations (the same bits), and the training forward."""
     E, H, I, T, K = 6, 40, 24, 70, 3  # 70 rows: experts with more than one block of 64 rows
     experts = _experts(E, H, I, bias=True, layout=layout)
     x, slots, act, g = rows(T, H, 1), _slots(T, K, E, 2, in_scale=True), ACTIVATIONS["gpt_oss"], rows(T, H, 3)
     first = _bits(_backward(experts, x, slots, act, g, 0))
+    forward = _bits(_train_forward(experts, x, slots, act, 0))
     for threads in (0, 1, 2, 3):
-        again = _bits(_backward(experts, x, slots, act, g, threads))
-        assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True)), threads
+        for saved in (False, True):
+            again = _bits(_backward(experts, x, slots, act, g, threads, saved=saved))
+            assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True)), (threads, saved)
+        again = _bits(_train_forward(experts, x, slots, act, threads))
+        assert all(np.array_equal(a, b) for a, b in zip(forward, again, strict=True)), threads
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_backward_reads_the_saved_preactivations(layout):
+    """The training forward's residual holds each pair's gate|up: the backward reading it gives the recomputing
+    backward's bits, and a stale residual (another x's) changes the input and weight gradients."""
+    E, H, I, T, K = 5, 24, 17, 40, 3
+    experts = _experts(E, H, I, bias=True, layout=layout)
+    x, slots, act, g = rows(T, H, 1), _slots(T, K, E, 2, in_scale=True), ACTIVATIONS["silu"], rows(T, H, 3)
+    perturbed = _perturbed(experts, slots)
+
+    def run(x_residual):
+        residual = _train_forward(experts, x_residual, slots, act)[1]
+        run = lambda e, x, s, g, r: native.routed_backward(e, x, s, act, g, perturbed, residual=r)
+        return jax.jit(run)(experts, x, slots, g, residual)
+
+    recomputed = _bits(_backward(experts, x, slots, act, g, 0))
+    assert all(np.array_equal(a, b) for a, b in zip(recomputed, _bits(run(x)), strict=True))
+    stale = run(rows(T, H, 9))
+    assert not np.array_equal(np.asarray(stale[1]), np.asarray(_backward(experts, x, slots, act, g, 0)[1]))
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    act=st.sampled_from(sorted(ACTIVATIONS)),
+    sizes=st.sampled_from([(1, 13, 7, 1, 1), (7, 24, 11, 5, 5), (300, 20, 9, 6, 2)]),
+    bias=st.booleans(),
+    in_scale=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_the_training_forward_equals_the_forward_kernels(layout, act, sizes, bias, in_scale, seed):
+    """Its routed sum is the forward kernels' and the reference's within float32 rounding (another summation
+    order), slots of weight 0 and skipped ids contributing nothing."""
+    T, H, I, E, K = sizes
+    experts = _experts(E, H, I, bias=bias, seed=seed, layout=layout)
+    x, slots, act = rows(T, H, seed + 1), _slots(T, K, E, seed + 2, in_scale=in_scale), ACTIVATIONS[act]
+    out, residual = _train_forward(experts, x, slots, act)
+    assert residual.shape == (T * K, 2 * I)
+    inference = jax.jit(lambda e, x, s: native.routed_experts(e, x, s, act))(experts, x, slots)
+    _assert_close(out, inference, 1e-5)
+    stacked = to_layout(experts, "stacked")
+    stacked = stacked.as_dense() if isinstance(stacked, FusedExpertWeights) else stacked
+    _assert_close(out, backends.run_routed("reference", stacked, x, slots, act), 1e-5)
+
+
+def test_the_training_forward_runs_only_when_differentiated():
+    """A plain forward is the inference kernels' alone; a grad program runs the training forward and hands its
+    residual to the backward (under "native" and "auto"); `save_residuals(False)` and `jax.checkpoint` recompute,
+    with the same gradients."""
+    E, H, I, T, K = 4, 16, 8, 6, 2
+    experts, x, slots, act = _experts(E, H, I, bias=True), rows(T, H), _slots(T, K, E, 1), ACTIVATIONS["silu"]
+    probe = rows(T, H, 3)
+    assert native.TRAIN_TARGET not in _jaxpr(lambda e, x: backends.run_routed("native", e, x, slots, act), experts, x)
+    loss = lambda e, x, impl="native": jnp.sum(backends.run_routed(impl, e, x, slots, act) * probe)
+    grad = jax.grad(loss, argnums=(0, 1))
+    for impl in ("native", "auto"):
+        text = _jaxpr(jax.grad(functools.partial(loss, impl=impl), argnums=(0, 1)), experts, x)
+        assert native.TRAIN_TARGET in text, impl
+    saved = jax.jit(grad)(experts, x)
+    try:
+        native.save_residuals(False)
+        text = _jaxpr(grad, experts, x)
+        assert native.TRAIN_TARGET not in text and native.BACKWARD_TARGET in text
+        recomputed = jax.jit(grad)(experts, x)
+    finally:
+        native.save_residuals(True)
+    remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(experts, x)
+    for other in (recomputed, remat):
+        assert all(np.array_equal(a, b) for a, b in zip(_bits(saved), _bits(other), strict=True))
 
 
 def test_a_rows_input_gradient_does_not_depend_on_its_neighbours():
-    """Row 0's dx and slot gradients alone, among 4 rows, and among 150 rows (other blocks of its experts): the
-    same bits."""
+    """Row 0's dx and slot gradients (from the saved pre-activations) and its training forward output alone, among
+    4 rows, and among 150 rows (other blocks of its experts): the same bits."""
     E, H, I, K = 3, 40, 24, 2
     experts, act = _experts(E, H, I, bias=True), ACTIVATIONS["silu"]
     x, g = rows(150, H, 1), rows(150, H, 3)
@@ -142,11 +246,11 @@ def test_a_rows_input_gradient_does_not_depend_on_its_neighbours():
     results = []
     for n in (1, 4, 150):
         s = Slots(slots.indices[:n], slots.out_weight[:n])
-        _, dx, ds = _backward(experts, x[:n], s, act, g[:n], 0)
-        results.append((np.asarray(dx[0]), np.asarray(ds.out_weight[0])))
-    for dx, dw in results[1:]:
-        assert np.array_equal(dx.view(np.uint32), results[0][0].view(np.uint32))
-        assert np.array_equal(dw.view(np.uint32), results[0][1].view(np.uint32))
+        _, dx, ds = _backward(experts, x[:n], s, act, g[:n], 0, saved=True)
+        out = _train_forward(experts, x[:n], s, act)[0]
+        results.append([np.asarray(a) for a in (dx[0], ds.out_weight[0], out[0])])
+    for got in results[1:]:
+        assert all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(got, results[0], strict=True))
 
 
 QUANTIZED = {
@@ -228,15 +332,16 @@ def test_grad_program_memory_does_not_grow_with_the_number_of_experts(layout):
 
 
 def test_the_isa_variants_agree(monkeypatch):
-    """AVX-512 and AVX2 run the same chains of fmas (the same bits); the portable variant is within float32
-    rounding (on x86-64 it has no fused multiply-add). The variant is read per call (MOEJAX_NATIVE_ISA)."""
+    """AVX-512 and AVX2 run the same chains of fmas (the same bits; the backward and the training forward); the
+    portable variant is within float32 rounding (on x86-64 it has no fused multiply-add). The variant is read per
+    call (MOEJAX_NATIVE_ISA)."""
     E, H, I, T, K = 4, 40, 24, 30, 3
     experts = _experts(E, H, I, bias=True)
     x, slots, act, g = rows(T, H, 1), _slots(T, K, E, 2, in_scale=True), ACTIVATIONS["gelu_tanh"], rows(T, H, 3)
     results = {}
     for isa in ("avx512", "avx2", "generic"):
         monkeypatch.setenv("MOEJAX_NATIVE_ISA", isa)
-        results[isa] = _backward(experts, x, slots, act, g, 0)
+        results[isa] = (_backward(experts, x, slots, act, g, 0, saved=True), _train_forward(experts, x, slots, act))
     assert all(np.array_equal(a, b) for a, b in zip(_bits(results["avx512"]), _bits(results["avx2"]), strict=True))
     floats = lambda tree: [leaf for leaf in jax.tree.leaves(tree) if leaf.dtype != jax.dtypes.float0]
     _assert_close(floats(results["generic"]), floats(results["avx512"]), 1e-5)

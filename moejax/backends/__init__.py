@@ -23,9 +23,13 @@ backward kernels (`pallas.pallas_vjp`: dense stacked weights; under "auto" only 
 them for, `pallas.validated_vjp`); else `moejax.backends.backward.routed_vjp`, a grouped backward over the routed
 (row, expert) pairs only (the plans' loops with device trip counts are not reverse-differentiable). Each gives
 gradients w.r.t. x, the slots' weights and scales and the experts (adapters of a wrapper included) equal to the
-reference's up to float32 summation order, at a cost proportional to T·K. The reference and ragged
-(`jax.lax.ragged_dot`'s own transpose) are differentiated as they are. Forward-mode (`jax.jvp`) of the plans is
-not defined.
+reference's up to float32 summation order, at a cost proportional to T·K. The native backward's fwd rule is the
+native training forward (`native.routed_train_forward`: the output within float32 rounding of the forward kernels',
+and each routed pair's gate/up pre-activations, `T·K·2I` float32, saved for the backward); with
+`native.save_residuals(False)` it is the plain forward and the backward recomputes them. The fwd rule runs only
+under differentiation: a plain forward is unchanged. `jax.checkpoint` around the layer recomputes the whole
+forward. The reference and ragged (`jax.lax.ragged_dot`'s own transpose) are differentiated as they are.
+Forward-mode (`jax.jvp`) of the plans is not defined.
 """
 
 from __future__ import annotations
@@ -217,12 +221,18 @@ def run_routed(
         is_primal = lambda leaf: isinstance(leaf, CustomVJPPrimal)
         perturbed.append(jax.tree.map(lambda p: p.perturbed, (experts, x, slots), is_leaf=is_primal))
         values = custom_vjp_primal_tree_values((experts, x, slots))
-        return _dispatch(impl, names, *values, act, block_rows), values
+        if "native" in names and native.saves_residuals():
+            try:  # the native training forward: the output and the pre-activations its backward reads
+                return _native_train_forward(impl, names, values, act, block_rows, perturbed[-1])
+            except NotImplementedError:
+                pass
+        return _dispatch(impl, names, *values, act, block_rows), (values, None)
 
     def routed_bwd(residuals, cotangent):
         if isinstance(cotangent, SymbolicZero):
             return None, None, None
-        args = (*residuals, act, cotangent, perturbed[-1])
+        values, saved = residuals
+        args = (*values, act, cotangent, perturbed[-1])
         grouped = functools.partial(routed_vjp, *args, block_rows=block_rows)
 
         def kernels_or_grouped():
@@ -237,7 +247,7 @@ def run_routed(
             return grouped()
 
         if "native" in names:
-            own = functools.partial(native.routed_backward, *args)
+            own = functools.partial(native.routed_backward, *args, residual=saved)
             try:  # the native backward where the native forward ran and it reads the experts' format
                 return own() if names == ["native"] else native.on_cpu_tree(own, kernels_or_grouped)
             except NotImplementedError:
@@ -249,6 +259,20 @@ def run_routed(
     else:
         routed.defvjp(routed_fwd, routed_bwd, symbolic_zeros=True)
     return routed(experts, x, slots)
+
+
+def _native_train_forward(impl, names, values, act, block_rows, perturbed) -> tuple:
+    """(out, (values, residual)) by `native.routed_train_forward` where the native forward runs: always for
+    `impl="native"`, else in a program lowered for the CPU, the other candidates' forward (and an unused zero
+    residual) elsewhere. NotImplementedError where the native backward would not serve the call."""
+    train = lambda: native.routed_train_forward(*values, act, perturbed)
+    if names == ["native"]:
+        out, residual = train()
+    else:
+        zeros = jax.eval_shape(train)[1]
+        others = lambda: (_dispatch(impl, names, *values, act, block_rows), jax.numpy.zeros(zeros.shape, zeros.dtype))
+        out, residual = native.on_cpu_tree(train, others)
+    return out, (values, residual)
 
 
 def _in_shard_map() -> bool:

@@ -20,6 +20,13 @@ adapter's deltas, `s · (x·Aᵀ)·Bᵀ` in float32, to gate and up before the a
 combine; rows with adapter id 0 get the bits of the call without adapters, and a row's bits with its adapter do
 not depend on T, its position or its neighbours (their adapters included).
 
+Training: under `jax.grad` the forward is `routed_train_forward` (csrc/backward_cpu.cc), which also keeps each
+routed (row, expert) pair's gate/up pre-activations, `T·K·2I` float32, for `routed_backward` (which then runs 6
+matrix products per expert instead of 8). Its output equals the forward kernels' within float32 rounding (another
+summation order; the same batch and thread invariance). `save_residuals(False)` makes the backward recompute them
+instead (less memory, the inference forward's output bits); `jax.checkpoint` around the layer recomputes the whole
+forward as usual.
+
 The extension is optional (setup.py); `available()` says whether it is built, loaded and enabled.
 `enable(False)` hides it (then `impl="auto"` runs the XLA plans) for the programs traced afterwards, without
 emptying JAX's caches; MOEJAX_NATIVE=0 in the environment makes off the default.
@@ -48,6 +55,7 @@ Array = jax.Array
 TARGET = "moejax_routed_experts"
 LORA_TARGET = "moejax_routed_experts_lora"
 BACKWARD_TARGET = "moejax_routed_experts_backward"
+TRAIN_TARGET = "moejax_routed_experts_train_forward"
 _DENSE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
 _FUSED = 3  # + the dense dtype's index
 _QUANTIZED = {("int", 8): 6, ("int", 4): 7, ("fp8_block", 8): 8, ("mxfp4", 4): 9, ("nvfp4", 4): 10}
@@ -61,6 +69,9 @@ _SCALE_DTYPES = {"int": "float32", "fp8_block": "float32", "mxfp4": "uint8", "nv
 # program traced under one setting is not reused under the other, and switching keeps every compiled program
 # (switching back reuses them), where emptying JAX's caches would throw away all of the process's programs.
 _SWITCH = jax.make_user_context(None)
+# Whether a differentiated native forward keeps the pre-activations for the backward (`save_residuals`); a user
+# context for the same reason as `_SWITCH`.
+_SAVE_RESIDUALS = jax.make_user_context(None)  # None: saved (the default), False: recomputed
 
 
 def _default() -> bool:
@@ -83,6 +94,23 @@ def enabled() -> bool:
     """Whether the native kernels are switched on (`enable`), built or not."""
     choice = _SWITCH.value
     return _default() if choice is None else choice
+
+
+@functools.cache
+def save_residuals(on: bool = True) -> None:
+    """Under `jax.grad`, keep each routed pair's gate/up pre-activations from the forward for the native backward
+    (True, the default: `T·K·2I` float32 more memory until the backward, 6 matrix products per expert there), or
+    recompute them in the backward (False: 8 products, no residual; the forward is then the inference kernels').
+    Read while tracing, part of the key of JAX's caches (as `enable`). Choose it before the first differentiated
+    call: with JAX 0.10.2, a jitted gradient called again after switching back and forth (both choices compiled in
+    one process) was seen to run the last compiled choice (the same gradients; the output's bits and the cost
+    are the other choice's)."""
+    _SAVE_RESIDUALS.set_global(None if on else False)
+
+
+def saves_residuals() -> bool:
+    """Whether a differentiated native forward keeps the pre-activations (`save_residuals`)."""
+    return _SAVE_RESIDUALS.value is None
 
 
 @functools.cache
@@ -386,23 +414,8 @@ def _scale2(parts, per_expert: bool) -> Array:
     return jnp.stack([_stack(parts, f"{p}_scale2", per_expert).reshape(-1) for p in ("gate", "up", "down")])
 
 
-def routed_backward(
-    experts: PerExpert | ExpertFormat,
-    x: Array,
-    slots: Slots,
-    act: GatedActivation,
-    cotangent: Array,
-    perturbed: tuple,
-    *,
-    max_threads: int = 0,
-) -> tuple:
-    """Cotangents of `(experts, x, slots)` of `routed_experts` by the native backward (csrc/backward_cpu.cc), in
-    the structure of `moejax.backends.backward.routed_vjp` (same arguments).
-
-    Dense float32 / bfloat16 / float16 experts in either layout: the input, slot-weight and input-scale gradients,
-    and the weight and bias gradients when the experts are differentiated (float32 sums, then the weights' dtype).
-    Quantized experts (float32 activations) with the base frozen: the input and slot gradients (QLoRA-style).
-    Gradients are summed per expert by one thread in row order: the same bits run to run and at any thread count.
+def _trainable_spec(experts, x: Array, slots: Slots, perturbed: tuple) -> tuple[dict, bool]:
+    """The weight spec of experts the native backward reads, and whether the experts are differentiated.
 
     Raises:
       NotImplementedError: not built, or experts the backward does not read (adapters, int8 activations, a
@@ -412,16 +425,87 @@ def routed_backward(
         raise NotImplementedError("the native CPU kernels are not built or not loaded (moejax._native_cpu)")
     if isinstance(experts, LoRAExperts):
         raise NotImplementedError("native backward: experts with adapters")
-    T, H = _check_rows(x, slots)
-    spec = _weight_spec(experts, H)
-    p_experts, p_x, p_slots = perturbed
-    want_base = any(jax.tree.leaves(p_experts))
+    _check_rows(x, slots)
+    spec = _weight_spec(experts, x.shape[1])
+    want_base = any(jax.tree.leaves(perturbed[0]))
     if spec["fmt"] >= _QUANTIZED[("int", 8)] and (want_base or spec["act_group"]):
         raise NotImplementedError("native backward: quantized experts are read frozen with float32 activations")
-    E, I = spec["E"], spec["I"]
-    gu_bias, d_bias = spec["biases"]
-    has_bias = gu_bias is not None
+    return spec, want_base
+
+
+def _slot_operands(x: Array, slots: Slots, spec: dict) -> list[Array]:
+    """The operands the training forward and the backward share before the weights (after x, g)."""
     empty = jnp.zeros((0,), jnp.float32)
+    gu_bias, d_bias = spec["biases"]
+    return [
+        slots.indices.astype(jnp.int32),
+        slots.out_weight.astype(jnp.float32),
+        empty if slots.in_scale is None else slots.in_scale.astype(jnp.float32),
+        empty if gu_bias is None else gu_bias,
+        empty if d_bias is None else d_bias,
+        empty if spec["scale2"] is None else spec["scale2"],
+    ]
+
+
+def routed_train_forward(
+    experts: PerExpert | ExpertFormat,
+    x: Array,
+    slots: Slots,
+    act: GatedActivation,
+    perturbed: tuple,
+    *,
+    max_threads: int = 0,
+) -> tuple[Array, Array]:
+    """`routed_experts` for a differentiated call: the routed sum `[T, H]` float32 (within float32 rounding of the
+    forward kernels', the same batch and thread invariance) and the residual `routed_backward` reads, each routed
+    pair's gate|up pre-activations `[T·K, 2I]` float32 (csrc/backward_cpu.cc).
+
+    Raises:
+      NotImplementedError: as `routed_backward`.
+    """
+    spec, _ = _trainable_spec(experts, x, slots, perturbed)
+    (T, H), K, E, I = x.shape, slots.indices.shape[1], spec["E"], spec["I"]
+    f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    call = jax.ffi.ffi_call(TRAIN_TARGET, [f32((T, H)), f32((T * K, 2 * I))], vmap_method="sequential")
+    out, residual = call(
+        x.astype(jnp.float32),
+        *_slot_operands(x, slots, spec),
+        *spec["buffers"],
+        **_attributes(spec, E, I, act, max_threads),
+    )
+    return out, residual
+
+
+def routed_backward(
+    experts: PerExpert | ExpertFormat,
+    x: Array,
+    slots: Slots,
+    act: GatedActivation,
+    cotangent: Array,
+    perturbed: tuple,
+    *,
+    residual: Array | None = None,
+    max_threads: int = 0,
+) -> tuple:
+    """Cotangents of `(experts, x, slots)` of `routed_experts` by the native backward (csrc/backward_cpu.cc), in
+    the structure of `moejax.backends.backward.routed_vjp` (same arguments).
+
+    Dense float32 / bfloat16 / float16 experts in either layout: the input, slot-weight and input-scale gradients,
+    and the weight and bias gradients when the experts are differentiated (float32 sums, then the weights' dtype).
+    Quantized experts (float32 activations) with the base frozen: the input and slot gradients (QLoRA-style).
+    Gradients are summed per expert by one thread in row order: the same bits run to run and at any thread count.
+    residual: `routed_train_forward`'s of the same call, or None: the pre-activations are recomputed (the same
+    bits either way).
+
+    Raises:
+      NotImplementedError: not built, or experts the backward does not read (adapters, int8 activations, a
+        differentiated quantized base).
+    """
+    spec, want_base = _trainable_spec(experts, x, slots, perturbed)
+    _, p_x, p_slots = perturbed
+    T, H = x.shape
+    E, I = spec["E"], spec["I"]
+    has_bias = spec["biases"][0] is not None
     f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     bias_shapes = ((E, 2 * I), (E, H)) if has_bias and want_base else ((0,), (0,))
     weight_shapes = [f32(b.shape) for b in spec["buffers"]] if want_base else []
@@ -432,12 +516,8 @@ def routed_backward(
     d_x, d_out, d_scale, d_gu_bias, d_d_bias, *d_weights = call(
         x.astype(jnp.float32),
         cotangent.astype(jnp.float32),
-        slots.indices.astype(jnp.int32),
-        slots.out_weight.astype(jnp.float32),
-        empty if slots.in_scale is None else slots.in_scale.astype(jnp.float32),
-        empty if gu_bias is None else gu_bias,
-        empty if d_bias is None else d_bias,
-        empty if spec["scale2"] is None else spec["scale2"],
+        *_slot_operands(x, slots, spec),
+        jnp.zeros((0,), jnp.float32) if residual is None else residual,
         *spec["buffers"],
         **_attributes(spec, E, I, act, max_threads),
     )
