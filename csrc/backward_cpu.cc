@@ -29,13 +29,18 @@
 #include <array>
 #include <utility>
 
+#include "cpu_features.h"
+#include "parallel.h"
 #include "target.h"
+#include "vec_avx2.h"
+#include "vec_avx512.h"
+#include "vec_generic.h"
 
 namespace moe {
 namespace bwd {
 
 namespace generic {
-#include "vec_generic.inc"
+using namespace vec_generic;
 using F = V;
 constexpr int L = 8, kNV = 3, kNarrowRows = 4;
 static inline F fzero() { return vzero(); }
@@ -50,9 +55,9 @@ const BwdKernels& bwd_kernels() { return kBwdKernels; }
 }  // namespace generic
 
 #if MOE_X86
-MOE_TARGET_PUSH("avx2,fma,f16c")
+MOE_TARGET_PUSH(MOE_AVX2_TARGET)
 namespace avx2 {
-#include "vec_avx2.inc"
+using namespace vec_avx2;
 using F = V;
 constexpr int L = 8, kNV = 3, kNarrowRows = 4;  // 12 accumulators, 3 loads, a broadcast: the 16 registers
 static inline F fzero() { return vzero(); }
@@ -69,10 +74,10 @@ namespace avx2 {
 const BwdKernels& bwd_kernels() { return kBwdKernels; }
 }  // namespace avx2
 
-MOE_TARGET_PUSH("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")
+MOE_TARGET_PUSH(MOE_AVX512_TARGET)
 namespace avx512 {
-#include "vec_avx512.inc"
-#undef MOE_WIDE
+using namespace vec_avx2;
+using namespace vec_avx512;
 using F = W;
 constexpr int L = 16, kNV = 4, kNarrowRows = 8;  // 16 accumulators of the 32 registers
 static inline F fzero() { return wzero(); }
@@ -92,21 +97,13 @@ const BwdKernels& bwd_kernels() { return kBwdKernels; }
 
 // The best variant this CPU runs, capped by MOEJAX_NATIVE_ISA ("avx2", "generic") as the forward's.
 static const BwdKernels& best_kernels() {
-  const char* cap = std::getenv("MOEJAX_NATIVE_ISA");
-  const std::string want = cap ? cap : "avx512";
 #if MOE_X86
-  __builtin_cpu_init();
-  const bool has_avx2 =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  const bool has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  if (want == "avx512" && has_avx512) return avx512::bwd_kernels();
-  if ((want == "avx512" || want == "avx2") && has_avx2) return avx2::bwd_kernels();
+  const Isa isa = best_isa(Isa::kAvx512);
+  if (isa == Isa::kAvx512) return avx512::bwd_kernels();
+  if (isa == Isa::kAvx2) return avx2::bwd_kernels();
 #endif
   return generic::bwd_kernels();
 }
-
-#include "parallel.inc"
 
 // Step 0: the pairs (BwdJob's routing) and each slot's pair (-1: skipped).
 static std::vector<int> build_pairs(BwdJob& job, int T, int K, const int32_t* idx, const float* weight,

@@ -6,8 +6,8 @@ pool. Weights are read as stored, in every format and both layouts: dense float3
 (`ExpertWeights` `[in, out]`, `FusedExpertWeights` `[out, in]`, the per-expert layout's storage on CPU),
 int8 / int4 group-wise symmetric and asymmetric, FP8 e4m3 with 128x128 blocks, MXFP4 and NVFP4
 (`moejax.quantized`). Weights are dequantized in registers; activations and accumulation are float32 (the
-numerics of `moejax.slots.reference_routed` on the dequantized weights, to float32 rounding). The 4-bit formats
-with `Scheme.activations == "int8"` (an explicit option, never the default) run int8 activations against the
+numerics of `moejax.backends.reference.reference_routed` on the dequantized weights, to float32 rounding).
+The 4-bit formats with `Scheme.activations == "int8"` (an explicit option, never the default) run int8 activations against the
 4-bit codes in integers (csrc/act8.h): `moejax.quantized.activations` defines the results and states the error.
 
 Batch invariance by construction: every output element is one fixed chain of operations over its row's
