@@ -7,8 +7,9 @@ pool. Weights are read as stored, in every format and both layouts: dense float3
 int8 / int4 group-wise symmetric and asymmetric, FP8 e4m3 with 128x128 blocks, MXFP4 and NVFP4
 (`moejax.quantized`). Weights are dequantized in registers; activations and accumulation are float32 (the
 numerics of `moejax.backends.reference.reference_routed` on the dequantized weights, to float32 rounding).
-The 4-bit formats with `Scheme.activations == "int8"` (an explicit option, never the default) run int8 activations against the
-4-bit codes in integers (csrc/act8.h): `moejax.quantized.activations` defines the results and states the error.
+The 4-bit formats with `Scheme.activations == "int8"` (an explicit option, never the default) run int8
+activations against the 4-bit codes in integers (csrc/act8.h): `moejax.quantized.activations` defines the
+results and states the error.
 
 Batch invariance by construction: every output element is one fixed chain of operations over its row's
 inputs and the weights (csrc/kernels.inc), so a row's bits do not depend on T, its position, its neighbours or
