@@ -3,7 +3,7 @@
     JAX_PLATFORMS=cpu python benchmarks/compile_time.py [--layer qwen3-30b-a3b] [--rows 1 8 512 2048]
         [--formats float32 bfloat16 int4 ...] [--repeats 2]
 
-Issue 20's target: the layer compiles in <= 2 s. Abstract weights (`jax.eval_shape` of `init_params`): nothing
+The target: the layer compiles in <= 2 s. Abstract weights (`jax.eval_shape` of `init_params`): nothing
 is allocated, so the full-size layer compiles on any machine. Each case is a fresh `jax.jit` (no cache hit):
 trace + lower, then XLA's compile, timed apart; the min of `--repeats`. "native off" is
 `moejax.backends.native.enable(False)` (the XLA plans), the compile a build without the extension pays.

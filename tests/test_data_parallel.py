@@ -1,7 +1,6 @@
 """Data parallelism: the forward on meshes without an expert axis (x split over `data`,
 never gathered) equals the single-device result, and a row's output bits do not depend on its neighbours in the
-batch (so splitting a batch cannot change them). Every test failed on main (b857cc6) except the Auto-mesh layer
-case and the CPU-plan and decode cases of the invariance test (regression guards)."""
+batch (so splitting a batch cannot change them)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,10 +1,7 @@
-"""Issue 18, deliverable 8: eager (non-jit) calls of the public entry points compile once, do not leak, and cost
-about what the jitted call costs.
-
-On main (2eb62ec) every eager call compiled new programs (the plans' loops trace bodies that close over the
-call's arrays), took ~0.2-0.4 s on one device (5-20 s for `moe_forward_ep` on 8) and grew RSS by several MB: every
-test here failed there (the compile count, at the second call), except the counter's own check and the
-`checked_moe_forward` guard (already one jitted program there).
+"""Eager (non-jit) calls of the public entry points compile once, do not leak, and cost about what the jitted
+call costs: the plans' loops trace bodies that close over the call's arrays, so an eager call that traced anew
+would compile new programs every time (~0.2-0.4 s on one device, 5-20 s for `moe_forward_ep` on 8) and grow RSS
+by several MB per call.
 
 Compiles are counted with jax's monitoring event for backend compiles (every XLA program compiled, the eager
 op-by-op ones included); `test_compile_counter_sees_compiles` checks that the counter does see them.
@@ -65,7 +62,7 @@ def _rss() -> int:
 
 def assert_eager_calls_are_cached(call) -> None:
     """CALLS calls of `call()` compile at most MAX_PROGRAMS programs and grow RSS by less than MAX_RSS_GROWTH
-    after the first call. Fails at the first call past the compile budget (on main: the second call)."""
+    after the first call. Fails at the first call past the compile budget."""
     with counted_compiles() as compiles:
         jax.block_until_ready(call())
         rss = _rss()
@@ -80,7 +77,7 @@ def assert_eager_about_as_fast(eager, jitted) -> None:
     """After a warm-up call each, TIMED calls of `eager()` trace and compile nothing, as TIMED calls of `jitted()`:
     an eager call costs the cached jit's dispatch and no more. Counted by jax's monitoring events, not timed: a
     bound of 5x the jitted call's min time failed under the suite's load (eager 0.57 ms vs jitted 0.09 ms in a
-    clean CI run; 0.2-0.4 s per eager call on main, when every call traced and compiled)."""
+    clean CI run; 0.2-0.4 s per eager call where every call traces and compiles)."""
     jax.block_until_ready((eager(), jitted()))
     with counted_events(TRACE_EVENT, BACKEND_COMPILE_EVENT) as work:
         for _ in range(TIMED):
@@ -142,13 +139,13 @@ def test_eager_moe_forward_costs_about_the_jitted_call():
 
 
 def test_eager_route_is_cached():
-    """T=7, a shape no other test here routes: on main the first call compiled each of route's ops."""
+    """T=7, a shape no other test here routes: an uncached first call would compile each of route's ops."""
     cfg, params, x = _setup(T=7)
     assert_eager_calls_are_cached(lambda: moejax.route(params, x, cfg))
 
 
 def test_eager_checked_forward_is_cached():
-    """A regression guard: `checked_moe_forward` was already one jitted program on main."""
+    """`checked_moe_forward` is one jitted program: its eager calls are cached like the rest."""
     cfg, params, x = _setup()
     assert_eager_calls_are_cached(lambda: moejax.checked_moe_forward(params, x, cfg))
 
@@ -189,8 +186,8 @@ def max_programs():
 
 def test_eager_programs_are_bounded_least_recently_called_first(max_programs):
     """Eager calls over many row counts keep at most `max_programs()` programs: the most recent ones are reused,
-    a dropped one compiles again, and every call still gives the jitted call's bits. On main every row count's
-    program stayed for the life of the process (~5 MB each)."""
+    a dropped one compiles again, and every call still gives the jitted call's bits. Unbounded, every row count's
+    program would stay for the life of the process (~5 MB each)."""
     max_programs(3)
     forward = moejax.moe_forward
     forward.clear_cache()

@@ -1,7 +1,6 @@
 """Edge inputs of the forward: empty batches, checks inside the caller's
-jit, token ids >= 2**31, and clear errors for bad arguments (route, config, layer, CLI). Every test failed on main
-(b857cc6) except `test_load_params_rejects_another_config` (a regression guard; on main `bench --repeats 0` ran
-the full benchmark). Items 1 and 6 (data-parallel meshes, batch invariance): tests/test_data_parallel.py."""
+jit, token ids >= 2**31, and clear errors for bad arguments (route, config, layer, CLI). Data-parallel meshes and
+batch invariance: tests/test_data_parallel.py."""
 
 import dataclasses
 

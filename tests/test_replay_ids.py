@@ -3,8 +3,8 @@ slot contributes nothing, as if its weight were 0, whatever the ids' integer typ
 type: a uint32 id >= 2**31 or a host int64 id >= 2**32 is large, never wrapped into a valid id); the checked
 forward raises for them.
 
-On main, `xla_decode`, `xla_grouped` and `ragged` computed a negative id's slot with a wrapped expert, a host
-int64 id of 2**32 + 1 became expert 1, and `checked_moe_forward` took no `routing=`."""
+The traps this guards: a plan that gathers an expert by a negative id wraps it to a valid expert, and a host
+int64 id of 2**32 + 1 cast to int32 becomes expert 1."""
 
 import functools
 
