@@ -51,8 +51,9 @@ def build(csrc: pathlib.Path) -> ctypes.CDLL:
         cmd = ["g++", "-shared", "-fPIC", "-std=c++17", "-O3", "-g0", "-ffp-contract=off", "-fno-math-errno"]
         cmd += ["-isystem", str(ROOT / "csrc/third_party"), f"-I{csrc}", f"-I{include}", "-o", str(out)]
         cmd += [str(HARNESS), str(csrc / "linear_cpu.cc"), str(csrc / "scores_cpu.cc")]
-        # newer trees: the variants in translation units of their own, the CPU probe in one
-        variants = ("moe_generic.cc", "moe_avx2.cc", "moe_avx512.cc", "cpu_features.cc")
+        # newer trees: the variants in translation units of their own, the CPU probe in one, the backward (its
+        # FFI handlers are in moe_cpu.cc's registration table)
+        variants = ("moe_generic.cc", "moe_avx2.cc", "moe_avx512.cc", "cpu_features.cc", "backward_cpu.cc")
         cmd += [str(csrc / f) for f in variants if (csrc / f).exists()]
         subprocess.run(cmd, check=True)
     lib = ctypes.CDLL(str(out))
