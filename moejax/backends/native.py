@@ -204,19 +204,12 @@ def routed_experts(
     lora = experts if isinstance(experts, LoRAExperts) else None
     spec = _weight_spec(experts if lora is None else lora.base, H)
     E, I = spec["E"], spec["I"]
-    gu_bias, d_bias = spec["biases"]
-    empty = jnp.zeros((0,), jnp.float32)
     adapters = () if lora is None else _lora_operands(lora, slots, E, H, I)
     target = TARGET if lora is None else LORA_TARGET
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((T, H), jnp.float32), vmap_method="sequential")
     return call(
         x.astype(jnp.float32),
-        slots.indices.astype(jnp.int32),
-        slots.out_weight.astype(jnp.float32),
-        empty if slots.in_scale is None else slots.in_scale.astype(jnp.float32),
-        empty if gu_bias is None else gu_bias,
-        empty if d_bias is None else d_bias,
-        empty if spec["scale2"] is None else spec["scale2"],
+        *_slot_operands(slots, spec),
         *adapters,
         *spec["buffers"],
         **_attributes(spec, E, I, act, max_threads),
@@ -434,8 +427,9 @@ def _trainable_spec(experts, x: Array, slots: Slots, perturbed: tuple) -> tuple[
     return spec, want_base
 
 
-def _slot_operands(x: Array, slots: Slots, spec: dict) -> list[Array]:
-    """The operands the training forward and the backward share before the weights (after x, g)."""
+def _slot_operands(slots: Slots, spec: dict) -> list[Array]:
+    """The operands every routed-experts call (forward, training forward, backward) passes after x (and the
+    backward's g): the slots, the biases and NVFP4's multipliers."""
     empty = jnp.zeros((0,), jnp.float32)
     gu_bias, d_bias = spec["biases"]
     return [
@@ -470,7 +464,7 @@ def routed_train_forward(
     call = jax.ffi.ffi_call(TRAIN_TARGET, [f32((T, H)), f32((T * K, 2 * I))], vmap_method="sequential")
     out, residual = call(
         x.astype(jnp.float32),
-        *_slot_operands(x, slots, spec),
+        *_slot_operands(slots, spec),
         *spec["buffers"],
         **_attributes(spec, E, I, act, max_threads),
     )
@@ -517,7 +511,7 @@ def routed_backward(
     d_x, d_out, d_scale, d_gu_bias, d_d_bias, *d_weights = call(
         x.astype(jnp.float32),
         cotangent.astype(jnp.float32),
-        *_slot_operands(x, slots, spec),
+        *_slot_operands(slots, spec),
         jnp.zeros((0,), jnp.float32) if residual is None else residual,
         *spec["buffers"],
         **_attributes(spec, E, I, act, max_threads),
