@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -106,18 +107,22 @@ def repeated(fn, cfg: MoEConfig, reps: int):
 
 
 def ceilings(smoke: bool) -> dict:
-    """Device-to-device copy bandwidth (read + write of a large bf16 array) and a large bf16 matmul rate."""
+    """Device-to-device copy bandwidth (read + write of a large bf16 array), read bandwidth (a sum over it: what a
+    decode that streams weights can reach) and a large bf16 matmul rate."""
     n_copy = 1 << 16 if smoke else 1 << 30  # elements: 2 GiB of bf16 on a GPU
     n_mm = 256 if smoke else 8192
-    a = jnp.ones((n_copy,), jnp.bfloat16)
+    reps = 1 if smoke else 10
+    a = jax.random.normal(jax.random.key(1), (n_copy,), jnp.bfloat16)  # not zeros: they can run faster
     copy = jax.jit(lambda a: a * 2)  # one read, one write: XLA cannot elide it
-    t_copy = timed(copy, a, reps=1 if smoke else 10)
+    t_copy = timed(copy, a, reps=reps)
+    t_read = timed(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), a, reps=reps)
     m = jax.random.normal(jax.random.key(0), (n_mm, n_mm), jnp.bfloat16)
     matmul = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    t_mm = timed(matmul, m, m, reps=1 if smoke else 10)
+    t_mm = timed(matmul, m, m, reps=reps)
     del a, m
     return {
         "copy_gb_s": 2 * n_copy * 2 / t_copy / 1e9,
+        "read_gb_s": n_copy * 2 / t_read / 1e9,
         "matmul_tflop_s": 2 * n_mm**3 / t_mm / 1e12,
     }
 
@@ -173,11 +178,14 @@ def bench_layer(layer: Layer, params, decode_T, prefill_T, smoke: bool) -> list[
 
 
 def print_table(ceil: dict, checks: list[dict], rows: list[dict]) -> None:
-    print(f"ceilings: copy {ceil['copy_gb_s']:.0f} GB/s, bf16 matmul {ceil['matmul_tflop_s']:.1f} TFLOP/s")
+    print(
+        f"ceilings: copy {ceil['copy_gb_s']:.0f} GB/s (read + write), read {ceil['read_gb_s']:.0f} GB/s, "
+        f"bf16 matmul {ceil['matmul_tflop_s']:.1f} TFLOP/s"
+    )
     for c in checks:
         status = "ok" if c["passed"] else "FAILED"
         print(f"check {c['layer']:>14} {c['kernel']:>12} T={c['T']:<5} rel err {c['max_rel_error']:.2e} {status}")
-    header = ("layer", 14), ("T", 6), ("impl", 11), ("us", 10), ("union", 6), ("GB/s", 8), ("%copy", 6)
+    header = ("layer", 14), ("T", 6), ("impl", 11), ("us", 10), ("union", 6), ("GB/s", 8), ("%read", 6)
     print(" ".join(f"{name:>{width}}" for name, width in (*header, ("TFLOP/s", 8), ("%mm", 5))))
     for r in rows:
         if "error" in r:
@@ -185,7 +193,7 @@ def print_table(ceil: dict, checks: list[dict], rows: list[dict]) -> None:
             continue
         print(
             f"{r['layer']:>14} {r['T']:>6} {r['impl']:>11} {r['us']:>10.1f} {r['union']:>6} {r['gb_s']:>8.0f} "
-            f"{100 * r['gb_s'] / ceil['copy_gb_s']:>5.0f}% {r['tflop_s']:>8.1f} "
+            f"{100 * r['gb_s'] / ceil['read_gb_s']:>5.0f}% {r['tflop_s']:>8.1f} "
             f"{100 * r['tflop_s'] / ceil['matmul_tflop_s']:>4.0f}%"
         )
 
@@ -193,7 +201,7 @@ def print_table(ceil: dict, checks: list[dict], rows: list[dict]) -> None:
 def validation_rows(checks: list[dict], device_kind: str) -> list[dict]:
     """One row per kernel whose every check passed: what `pallas_kernels.is_validated` reads."""
     out = []
-    for kernel in pallas_kernels.KERNELS:
+    for kernel in pallas_kernels.KERNELS + pallas_kernels.BACKWARD_KERNELS:
         mine = [c for c in checks if c["kernel"] == kernel]
         if mine and all(c["passed"] for c in mine):
             out.append(
@@ -241,6 +249,15 @@ def parser(doc: str, out_name: str, device: str) -> argparse.ArgumentParser:
     p.add_argument("--prefill-T", type=int, nargs="*", default=None)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / out_name)
     p.add_argument("--append-validated", action="store_true", help=f"record passing kernels ({device} only)")
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="also write a results file for RESULTS.md "
+        "(to PATH; without one, into benchmarks/results); not in --smoke runs",
+    )
     return p
 
 
@@ -259,6 +276,40 @@ def run_layers(args, decode_T, prefill_T, check: Callable, *, time_failed: bool)
             rows += bench_layer(layer, params, decode_T, prefill_T, args.smoke)
         del params
     return checks, rows
+
+
+def write_results(result: dict, benchmark: str, path: str | None) -> None:
+    """The run (`finish`'s record) as results files in benchmarks/report.py's schema: `benchmark` holds the forward's
+    rows with their shares of the ceilings, `<benchmark>_training` the training rows (when the run has them); the
+    checks' worst errors go in the notes. `path`: the forward's file (the training file beside it)."""
+    import report  # benchmarks/ is on sys.path
+
+    ceil = result["ceilings"]
+    on = {"cpu": f"{result['device_kind']} (host: {report.machine()['cpu']})", "isa": result["device_kind"]}
+    on["cores"] = os.cpu_count()  # the host's, as for every results file
+    worst = {}
+    for c in result["checks"]:
+        worst[c["kernel"]] = max(worst.get(c["kernel"], 0.0), c["max_rel_error"])
+    checked = ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
+    notes = (
+        f"jax {result['jax_version']}; ceilings measured in the same run: copy {ceil['copy_gb_s']:.0f} GB/s (read + "
+        f"write), read {ceil['read_gb_s']:.0f} GB/s, bf16 matmul {ceil['matmul_tflop_s']:.0f} TFLOP/s. Each kernel "
+        f"checked against its reference first (bf16; largest error relative to the largest element: {checked}). "
+    )
+    shares = {"pct_read": ("gb_s", "read_gb_s"), "pct_matmul": ("tflop_s", "matmul_tflop_s")}
+    forward = [
+        {**r, **{k: 100 * r[a] / ceil[b] for k, (a, b) in shares.items()}} for r in result["rows"] if "error" not in r
+    ]
+    if forward:
+        about = "pct_read: the union of the selected experts' bytes over a row's time, against the read ceiling; "
+        about += "pct_matmul: its products' rate against the matmul ceiling."
+        report.write(benchmark, forward, path, notes=notes + about, on=on)
+    training = [r for r in result.get("training", []) if "error" not in r]
+    if training:
+        about = "jax.value_and_grad of <y, probe> w.r.t. the routed experts and x through moejax.moe_forward per impl, "
+        about += "next to the same impl's forward; train_tflop_s counts 3x the forward's products."
+        there = None if path is None else Path(path).with_name(Path(path).stem + "_training.json")
+        report.write(f"{benchmark}_training", training, there, notes=notes + about, on=on)
 
 
 def finish(args, started: float, ceil: dict, checks: list[dict], rows: list[dict], backend: str, **extra) -> int:
@@ -280,6 +331,8 @@ def finish(args, started: float, ceil: dict, checks: list[dict], rows: list[dict
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out} ({result['seconds']:.0f} s)")
+    if args.json is not None and not args.smoke:
+        write_results(result, f"{backend}_bench", args.json or None)
     if args.append_validated:
         if jax.default_backend() != backend or args.smoke:
             print(f"--append-validated records only full runs on a {backend.upper()}", file=sys.stderr)

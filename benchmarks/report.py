@@ -39,7 +39,7 @@ ORDER = (
     "vs_hf", "model_decode", "quant_bench", "ggml_decode", "native_kernels_decode", "native_kernels_prefill",
     "compile_time",
     "native_lora", "lora_bench", "quant_accuracy", "ep_bench", "ep_memory", "placement", "bench", "cuda_compile",
-    "tpu_compile", "tpu_compile_ep", "gpu_bench", "tpu_bench", "suite",
+    "tpu_compile", "tpu_compile_ep", "gpu_bench", "gpu_bench_training", "tpu_bench", "suite",
 )  # fmt: skip
 TITLES = {
     "vs_hf": "Next to Hugging Face's MoE block (`benchmarks/vs_hf.py`)",
@@ -60,6 +60,7 @@ TITLES = {
     "tpu_compile": "Compiled for TPU v5e / v6e without a TPU (`benchmarks/tpu_compile.py`)",
     "tpu_compile_ep": "Expert parallelism compiled for 4 TPU chips (`benchmarks/tpu_compile.py --ep`)",
     "gpu_bench": "Pallas kernels on a GPU (`benchmarks/gpu_bench.py`)",
+    "gpu_bench_training": "Training on a GPU: value_and_grad per impl (`benchmarks/gpu_bench.py --backward`)",
     "tpu_bench": "Pallas kernels on a TPU (`benchmarks/tpu_bench.py`)",
     "suite": "The test suite (`.ci/run`)",
 }
@@ -189,10 +190,11 @@ def machine() -> dict:
     return {"cpu": cpu, "isa": isa, "cores": os.cpu_count()}
 
 
-def write(benchmark: str, results: list[dict], path=None, notes: str | None = None) -> Path:
-    """Write one run's results file: to `path`, or to benchmarks/results/<benchmark>_<date>_<time>.json."""
+def write(benchmark: str, results: list[dict], path=None, notes: str | None = None, on: dict | None = None) -> Path:
+    """Write one run's results file: to `path`, or to benchmarks/results/<benchmark>_<date>_<time>.json. `on`: the
+    machine when it is not this CPU's native kernels (an accelerator: its device kind as "isa")."""
     now = datetime.datetime.now()
-    run = {"benchmark": benchmark, "machine": machine(), "date": now.date().isoformat()}
+    run = {"benchmark": benchmark, "machine": on or machine(), "date": now.date().isoformat()}
     run |= {"command": shlex.join(["python", *sys.argv]), **({"notes": notes} if notes else {}), "results": results}
     check(run, benchmark)
     path = Path(path) if path else RESULTS / f"{benchmark}_{now:%Y-%m-%d_%H%M%S}.json"

@@ -39,16 +39,23 @@ def test_smoke_checks_and_times_every_implementation(gpu_bench, tmp_path):
     out = tmp_path / "bench.json"
     fast = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     env = {**os.environ, "XLA_FLAGS": " ".join(filter(None, [os.environ.get("XLA_FLAGS"), fast]))}
-    run = subprocess.run([sys.executable, str(BENCH), "--smoke", "--out", str(out)], env=env, capture_output=True)
+    command = [sys.executable, str(BENCH), "--smoke", "--backward", "--out", str(out)]
+    run = subprocess.run(command, env=env, capture_output=True)
     assert run.returncode == 0, run.stderr.decode()[-2000:]
     result = json.loads(out.read_text())
     assert result["smoke"] and result["ceilings"]["copy_gb_s"] > 0
-    assert {c["kernel"] for c in result["checks"]} == {"moe_decode", "moe_grouped"}
-    assert all(c["passed"] and c["max_rel_error"] < 1e-5 for c in result["checks"])  # float32 accumulations agree
+    checks = {c["kernel"]: c for c in result["checks"]}
+    assert set(checks) == {"moe_decode", "moe_grouped", "moe_grouped_vjp"}
+    assert all(checks[k]["passed"] and checks[k]["max_rel_error"] < 1e-5 for k in ("moe_decode", "moe_grouped"))
+    # the backward rounds dg, du and dy to the weights' bf16 as its products take them
+    assert checks["moe_grouped_vjp"]["passed"] and 0 < checks["moe_grouped_vjp"]["max_rel_error"] < 2e-2
     assert {(r["T"], r["impl"]) for r in result["rows"]} == {
         (T, impl) for T in (2, 40) for impl in ("pallas", "xla", "ragged_dot")
     }
     assert all("error" not in r and r["us"] > 0 for r in result["rows"])
+    # interpreted Mosaic GPU kernels cannot run a grad program on CPU: the other impls are timed
+    assert {r["impl"] for r in result["training"]} == {"xla", "ragged"}
+    assert all("error" not in r and r["train_us"] > 0 for r in result["training"])
     rows = gpu_bench.validation_rows(result["checks"], "NVIDIA H200")
-    assert [r["kernel"] for r in rows] == ["moe_decode", "moe_grouped"]
+    assert [r["kernel"] for r in rows] == ["moe_decode", "moe_grouped", "moe_grouped_vjp"]
     assert all(r["jax_version"] and r["date"] for r in rows)
