@@ -30,6 +30,7 @@
 #include <utility>
 
 #include "cpu_features.h"
+#include "huge_pages.h"
 #include "parallel.h"
 #include "target.h"
 #include "vec_avx2.h"
@@ -221,6 +222,7 @@ static ffi::Error read_weight_gradients(BwdJob& job, ffi::RemainingRets& d_weigh
     const size_t per = job.field_size(f);
     if ((*d)->element_count() != per * (per_expert ? 1 : E))
       return ffi::Error::InvalidArgument("moejax native backward: a weight gradient's size does not fit");
+    advise_huge_pages((*d)->typed_data(), (*d)->size_bytes());
     for (size_t e = 0; e < (per_expert ? 1 : E); ++e)
       job.dw_ptr[per_expert ? b : f * E + e] = (*d)->typed_data() + per * e;
   }
@@ -269,6 +271,7 @@ static ffi::Error BackwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
                                                  has_in_scale ? in_scale.typed_data() : nullptr);
   const size_t P = job.pair_token.size(), nfields = job.num_fields();
   std::unique_ptr<float[]> pair_dx(new float[P * H]), pair_dout(new float[P]), pair_dscale(new float[P]);
+  advise_huge_pages(pair_dx.get(), P * H * sizeof(float));
   job.pair_dx = pair_dx.get();
   job.pair_dout = pair_dout.get();
   job.pair_dscale = pair_dscale.get();
@@ -348,6 +351,7 @@ static ffi::Error TrainForwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x
   std::unique_ptr<float[]> pair_y(new float[P * H]);
   job.pair_y = pair_y.get();
   job.residual = residual->typed_data();
+  advise_huge_pages(job.residual, residual->size_bytes());
   std::fill(job.residual + P * I2, job.residual + TK * I2, 0.0f);  // rows of no pair: defined bits
   const int mt = static_cast<int>(max_threads);
   const BwdKernels& k = best_kernels();
