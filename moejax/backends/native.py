@@ -26,7 +26,9 @@ routed (row, expert) pair's gate/up pre-activations, `T·K·2I` float32, for `ro
 matrix products per expert instead of 8). Its output equals the forward kernels' within float32 rounding (another
 summation order; the same batch and thread invariance). `save_residuals(False)` makes the backward recompute them
 instead (less memory, the inference forward's output bits); `jax.checkpoint` around the layer recomputes the whole
-forward as usual.
+forward as usual. With adapters (`LoRAExperts`) both take the stack too: the saved pre-activations include the gate
+and up deltas, and the backward gives each adapter's A, B and scale gradients over the pairs whose row uses it
+(csrc/backward_kernels.inc), besides the input gradient through the deltas.
 
 The extension is optional (setup.py); `available()` says whether it is built, loaded and enabled.
 `enable(False)` hides it (then `impl="auto"` runs the XLA plans) for the programs traced afterwards, without
@@ -503,13 +505,15 @@ def routed_backward(
     Dense float32 / bfloat16 / float16 experts in either layout: the input, slot-weight and input-scale gradients,
     and the weight and bias gradients when the experts are differentiated (float32 sums, then the weights' dtype).
     Quantized experts (float32 activations) with the base frozen: the input and slot gradients (QLoRA-style).
+    Either wrapped with a stack's adapters (`LoRAExperts`): also the gradients of each adapter's A, B and scale
+    when the adapters are differentiated (zeros for id 0 and for an (adapter, expert) no pair uses).
     Gradients are summed per expert by one thread in row order: the same bits run to run and at any thread count.
     residual: `routed_train_forward`'s of the same call, or None: the pre-activations are recomputed (the same
     bits either way).
 
     Raises:
-      NotImplementedError: not built, or experts the backward does not read (adapters, int8 activations, a
-        differentiated quantized base).
+      NotImplementedError: not built, or experts the backward does not read (int8 activations, a differentiated
+        quantized base).
     """
     spec, want_base, want_lora = _trainable_spec(experts, x, slots, perturbed)
     _, p_x, p_slots = perturbed
