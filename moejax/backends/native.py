@@ -568,7 +568,8 @@ def _adapter_cotangent(lora, d_adapters: list[Array]):
         cast = lambda d, primal: d.reshape(jnp.shape(primal)).astype(jnp.result_type(primal))
         return LoRAPair(cast(d_a, p.a), cast(d_b, p.b), cast(d_s, p.scale))
 
-    return dataclasses.replace(lora, **{name: pair(k, getattr(lora, name)) for k, name in enumerate(("gate", "up", "down"))})
+    targets = ("gate", "up", "down")
+    return dataclasses.replace(lora, **{name: pair(k, getattr(lora, name)) for k, name in enumerate(targets)})
 
 
 def _zero_cotangent(leaf: Array) -> Array | np.ndarray:
