@@ -3,6 +3,7 @@
 // wrapper that turns a handler's exception into an error for XLA.
 #pragma once
 
+#include <cstdint>
 #include <exception>
 #include <string>
 #include <utility>
