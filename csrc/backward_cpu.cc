@@ -15,6 +15,12 @@
 // do not depend on the threads, and a row's dx not on its neighbours. Weight gradients of experts without pairs
 // are zeros.
 //
+// Adapters (a stack's, lora.h; BwdLoRA): step 0 orders each expert's pairs by adapter id, then row, so the rows of
+// one adapter are runs; step 1 adds each run's deltas to its pre-activations (when recomputed), the input gradient
+// through them, and, when asked, the adapter's A, B and scale gradients as products over the run, continued in pair
+// order by the expert's thread (the scale's summed over experts in expert order afterwards). An (adapter, expert)
+// without pairs gets zeros, as id 0 (no adapter).
+//
 // The training forward (TrainForwardCall, the FFI target moejax_routed_experts_train_forward, run by jax.grad's
 // forward) computes the routed sum over the same pairs with the same product routine and saves each pair's gate|up
 // [P, 2I] for the backward: its output equals the forward kernels' within float32 rounding (another summation
