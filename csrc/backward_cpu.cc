@@ -15,6 +15,12 @@
 // do not depend on the threads, and a row's dx not on its neighbours. Weight gradients of experts without pairs
 // are zeros.
 //
+// Adapters (a stack's, lora.h; BwdLoRA): step 0 orders each expert's pairs by adapter id, then row, so the rows of
+// one adapter are runs; step 1 adds each run's deltas to its pre-activations (when recomputed), the input gradient
+// through them, and, when asked, the adapter's A, B and scale gradients as products over the run, continued in pair
+// order by the expert's thread (the scale's summed over experts in expert order afterwards). An (adapter, expert)
+// without pairs gets zeros, as id 0 (no adapter).
+//
 // The training forward (TrainForwardCall, the FFI target moejax_routed_experts_train_forward, run by jax.grad's
 // forward) computes the routed sum over the same pairs with the same product routine and saves each pair's gate|up
 // [P, 2I] for the backward: its output equals the forward kernels' within float32 rounding (another summation
@@ -27,9 +33,11 @@
 #include "backward_cpu.h"
 
 #include <array>
+#include <numeric>
 #include <utility>
 
 #include "cpu_features.h"
+#include "ffi_bind.h"
 #include "huge_pages.h"
 #include "parallel.h"
 #include "target.h"
@@ -106,6 +114,32 @@ static const BwdKernels& best_kernels() {
   return generic::bwd_kernels();
 }
 
+// With adapters: each expert's pairs reordered by adapter id, then row (stable), and slot_pair renumbered.
+static void group_by_adapter(BwdJob& job, std::vector<int>& slot_pair) {
+  BwdLoRA& L = *job.lora;
+  const size_t P = job.pair_token.size();
+  std::vector<int> ad(P), order(P), where(P);
+  for (size_t p = 0; p < P; ++p) ad[p] = L.adapters.row_id(job.pair_token[p]);
+  std::iota(order.begin(), order.end(), 0);
+  for (size_t u = 0; u + 1 < job.pair_start.size(); ++u)
+    std::stable_sort(order.begin() + job.pair_start[u], order.begin() + job.pair_start[u + 1],
+                     [&](int a, int b) { return ad[a] < ad[b]; });
+  auto permute = [&](auto& v) {
+    auto old = v;
+    for (size_t i = 0; i < P; ++i) v[i] = old[order[i]];
+  };
+  permute(job.pair_token);
+  permute(job.pair_weight);
+  if (!job.pair_scale.empty()) permute(job.pair_scale);
+  L.pair_ad.resize(P);
+  for (size_t i = 0; i < P; ++i) {
+    L.pair_ad[i] = ad[order[i]];
+    where[order[i]] = static_cast<int>(i);
+  }
+  for (int& p : slot_pair)
+    if (p >= 0) p = where[p];
+}
+
 // Step 0: the pairs (BwdJob's routing) and each slot's pair (-1: skipped).
 static std::vector<int> build_pairs(BwdJob& job, int T, int K, const int32_t* idx, const float* weight,
                                     const float* in_scale) {
@@ -148,6 +182,7 @@ static std::vector<int> build_pairs(BwdJob& job, int T, int K, const int32_t* id
       job.pair_weight[p] += weight[s];
       if (in_scale) job.pair_scale[p] += in_scale[s];
     }
+  if (job.lora) group_by_adapter(job, slot_pair);
   return slot_pair;
 }
 
@@ -229,14 +264,64 @@ static ffi::Error read_weight_gradients(BwdJob& job, ffi::RemainingRets& d_weigh
   return ffi::Error::Success();
 }
 
+// The adapters' arguments (lora.h; ids empty: no adapters, job.lora stays null).
+static ffi::Error read_lora(BwdJob& job, BwdLoRA& L, int T, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> gate_a,
+                           ffi::Buffer<ffi::F32> gate_b, ffi::Buffer<ffi::F32> gate_s, ffi::Buffer<ffi::F32> up_a,
+                           ffi::Buffer<ffi::F32> up_b, ffi::Buffer<ffi::F32> up_s, ffi::Buffer<ffi::F32> down_a,
+                           ffi::Buffer<ffi::F32> down_b, ffi::Buffer<ffi::F32> down_s) {
+  if (ids.element_count() == 0) return ffi::Error::Success();
+  if (ids.element_count() != static_cast<size_t>(T))
+    return ffi::Error::InvalidArgument("moejax native backward: adapter ids must be [T] or empty");
+  L.adapters.ids = ids.typed_data();
+  const int E = job.E, H = job.H, I = job.I;
+  for (auto err : {lora_bind_target(L.adapters, kLoRAGate, gate_a, gate_b, gate_s, E, H, I),
+                   lora_bind_target(L.adapters, kLoRAUp, up_a, up_b, up_s, E, H, I),
+                   lora_bind_target(L.adapters, kLoRADown, down_a, down_b, down_s, E, I, H)})
+    if (err.failure()) return err;
+  if (L.adapters.n_ids) job.lora = &L;
+  return ffi::Error::Success();
+}
+
+// The adapters' gradient buffers into L (all empty: not wanted), checked against the stacks.
+static ffi::Error read_lora_gradients(BwdJob& job, BwdLoRA& L, std::array<ffi::Result<ffi::Buffer<ffi::F32>>*, 9> d) {
+  size_t total = 0;
+  for (auto* r : d) total += (**r).element_count();
+  if (total == 0) return ffi::Error::Success();
+  if (!job.lora) return ffi::Error::InvalidArgument("moejax native backward: adapter gradients without adapters");
+  const size_t n = L.adapters.n_ids, E = job.E;
+  for (int k = 0; k < 3; ++k) {
+    const LoRATarget& t = L.adapters.t[k];
+    const size_t want[3] = {t.on() ? n * E * t.r * t.n_in : 0, t.on() ? n * E * t.n_out * t.r : 0, t.on() ? n : 0};
+    float** ptr[3] = {&L.da[k], &L.db[k], &L.ds[k]};
+    for (int j = 0; j < 3; ++j) {
+      auto& buf = *d[3 * k + j];
+      if ((*buf).element_count() != want[j])
+        return ffi::Error::InvalidArgument("moejax native backward: adapter gradients must fit A, B and scale");
+      *ptr[j] = t.on() ? (*buf).typed_data() : nullptr;
+    }
+    if (t.on()) L.ds_part[k].assign(E * n, 0.0f);
+  }
+  L.want = true;
+  return ffi::Error::Success();
+}
+
 static ffi::Error BackwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g,
                                ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> weight,
                                ffi::Buffer<ffi::F32> in_scale, ffi::Buffer<ffi::F32> gate_up_bias,
                                ffi::Buffer<ffi::F32> down_bias, ffi::Buffer<ffi::F32> scale2,
-                               ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs weights,
-                               ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> d_weight,
-                               ffi::ResultBuffer<ffi::F32> d_in_scale, ffi::ResultBuffer<ffi::F32> d_gate_up_bias,
-                               ffi::ResultBuffer<ffi::F32> d_down_bias, ffi::RemainingRets d_weights, int64_t fmt,
+                               ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::S32> ids,
+                               ffi::Buffer<ffi::F32> gate_a, ffi::Buffer<ffi::F32> gate_b,
+                               ffi::Buffer<ffi::F32> gate_s, ffi::Buffer<ffi::F32> up_a, ffi::Buffer<ffi::F32> up_b,
+                               ffi::Buffer<ffi::F32> up_s, ffi::Buffer<ffi::F32> down_a,
+                               ffi::Buffer<ffi::F32> down_b, ffi::Buffer<ffi::F32> down_s,
+                               ffi::RemainingArgs weights, ffi::ResultBuffer<ffi::F32> dx,
+                               ffi::ResultBuffer<ffi::F32> d_weight, ffi::ResultBuffer<ffi::F32> d_in_scale,
+                               ffi::ResultBuffer<ffi::F32> d_gate_up_bias, ffi::ResultBuffer<ffi::F32> d_down_bias,
+                               ffi::ResultBuffer<ffi::F32> d_gate_a, ffi::ResultBuffer<ffi::F32> d_gate_b,
+                               ffi::ResultBuffer<ffi::F32> d_gate_s, ffi::ResultBuffer<ffi::F32> d_up_a,
+                               ffi::ResultBuffer<ffi::F32> d_up_b, ffi::ResultBuffer<ffi::F32> d_up_s,
+                               ffi::ResultBuffer<ffi::F32> d_down_a, ffi::ResultBuffer<ffi::F32> d_down_b,
+                               ffi::ResultBuffer<ffi::F32> d_down_s, ffi::RemainingRets d_weights, int64_t fmt,
                                int64_t num_experts, int64_t intermediate, int64_t group, int64_t fields_per_proj,
                                int64_t per_expert, int64_t act_kind,
                                int64_t has_limit, float limit, float alpha, int64_t clamp_after,
@@ -253,6 +338,14 @@ static ffi::Error BackwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
     return ffi::Error::InvalidArgument("moejax native backward: quantized weights are frozen (no weight gradient)");
   if (ffi::Error err = read_weight_gradients(job, d_weights, per_expert); err.failure()) return err;
   const int T = static_cast<int>(x.dimensions()[0]), K = static_cast<int>(idx.dimensions()[1]);
+  BwdLoRA lora;
+  if (ffi::Error err = read_lora(job, lora, T, ids, gate_a, gate_b, gate_s, up_a, up_b, up_s, down_a, down_b, down_s);
+      err.failure())
+    return err;
+  if (ffi::Error err = read_lora_gradients(job, lora, {&d_gate_a, &d_gate_b, &d_gate_s, &d_up_a, &d_up_b, &d_up_s,
+                                                       &d_down_a, &d_down_b, &d_down_s});
+      err.failure())
+    return err;
   const size_t TK = static_cast<size_t>(T) * K, E = job.E, H = job.H;
   const bool has_in_scale = in_scale.element_count() != 0;
   if (d_weight->element_count() != TK || (has_in_scale && d_in_scale->element_count() != TK))
@@ -281,7 +374,7 @@ static ffi::Error BackwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const int U = static_cast<int>(job.union_ids.size());
   // Experts without pairs: zero gradients (items after the union experts').
   std::vector<int> unused;
-  if (!job.dw_ptr.empty() || job.d_gate_up_bias)
+  if (!job.dw_ptr.empty() || job.d_gate_up_bias || lora.want)
     for (int e = 0, u = 0; e < job.E; ++e) {
       if (u < U && job.union_ids[u] == e) ++u;
       else unused.push_back(e);
@@ -294,7 +387,18 @@ static ffi::Error BackwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
       std::fill_n(job.d_gate_up_bias + e * 2 * static_cast<size_t>(job.I), 2 * job.I, 0.0f);
       std::fill_n(job.d_down_bias + e * H, H, 0.0f);
     }
+    for (int t = 0; t < 3 && lora.want; ++t) k.lora_zero(job, t, e);
   });
+  // The scales' gradients: each expert's share, summed over experts in order.
+  for (int t = 0; t < 3 && lora.want; ++t) {
+    if (!lora.adapters.t[t].on()) continue;
+    const size_t n = lora.adapters.n_ids;
+    for (size_t a = 0; a < n; ++a) {
+      float sum = 0.0f;
+      for (size_t e = 0; e < E; ++e) sum = sum + lora.ds_part[t][e * n + a];
+      lora.ds[t][a] = sum;
+    }
+  }
   // Step 2: per row, its pairs in slot order.
   float* dxo = dx->typed_data();
   float* dwo = d_weight->typed_data();
@@ -330,7 +434,12 @@ static ffi::Error BackwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
 static ffi::Error TrainForwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
                                    ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> in_scale,
                                    ffi::Buffer<ffi::F32> gate_up_bias, ffi::Buffer<ffi::F32> down_bias,
-                                   ffi::Buffer<ffi::F32> scale2, ffi::RemainingArgs weights,
+                                   ffi::Buffer<ffi::F32> scale2, ffi::Buffer<ffi::S32> ids,
+                                   ffi::Buffer<ffi::F32> gate_a, ffi::Buffer<ffi::F32> gate_b,
+                                   ffi::Buffer<ffi::F32> gate_s, ffi::Buffer<ffi::F32> up_a,
+                                   ffi::Buffer<ffi::F32> up_b, ffi::Buffer<ffi::F32> up_s,
+                                   ffi::Buffer<ffi::F32> down_a, ffi::Buffer<ffi::F32> down_b,
+                                   ffi::Buffer<ffi::F32> down_s, ffi::RemainingArgs weights,
                                    ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> residual,
                                    int64_t fmt, int64_t num_experts, int64_t intermediate, int64_t group,
                                    int64_t fields_per_proj, int64_t per_expert, int64_t act_kind, int64_t has_limit,
@@ -345,6 +454,10 @@ static ffi::Error TrainForwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x
   const size_t TK = static_cast<size_t>(T) * K, H = job.H, I2 = 2 * static_cast<size_t>(job.I);
   if (out->element_count() != x.element_count() || residual->element_count() != TK * I2)
     return ffi::Error::InvalidArgument("moejax native training forward: out [T, H], residual [T * K, 2I]");
+  BwdLoRA lora;
+  if (ffi::Error err = read_lora(job, lora, T, ids, gate_a, gate_b, gate_s, up_a, up_b, up_s, down_a, down_b, down_s);
+      err.failure())
+    return err;
   const std::vector<int> slot_pair = build_pairs(job, T, K, idx.typed_data(), weight.typed_data(),
                                                  in_scale.element_count() ? in_scale.typed_data() : nullptr);
   const size_t P = job.pair_token.size();
@@ -379,60 +492,33 @@ static ffi::Error TrainForwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x
 }  // namespace bwd
 }  // namespace moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExpertsBackward, moe::bwd::BackwardCall,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, H]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // g [T, H]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // indices [T, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // out_weight [T, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // in_scale [T, K] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate|up bias [E, 2I] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // down bias [E, H] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // NVFP4 scale2 [3, E] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual [T * K, 2I] or [0]: recompute
-                                  .RemainingArgs()               // the weight buffers
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dx [T, H]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // d out_weight [T, K]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // d in_scale [T, K] or [0]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // d gate|up bias [E, 2I] or [0]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // d down bias [E, H] or [0]
-                                  .RemainingRets()               // the weight gradients (none: base frozen)
-                                  .Attr<int64_t>("fmt")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("intermediate")
-                                  .Attr<int64_t>("group")
-                                  .Attr<int64_t>("fields_per_proj")
-                                  .Attr<int64_t>("per_expert")
-                                  .Attr<int64_t>("act_kind")
-                                  .Attr<int64_t>("has_limit")
-                                  .Attr<float>("limit")
-                                  .Attr<float>("alpha")
-                                  .Attr<int64_t>("clamp_after")
-                                  .Attr<int64_t>("max_threads"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MoejaxRoutedExpertsBackward, moe::NoThrow<moe::bwd::BackwardCall>::Call,
+    moe::BindExpertsAttrs(
+        moe::BindLoRAArgs(moe::BindRoutingArgs(ffi::Ffi::Bind()
+                                                   .Ctx<ffi::ThreadPool>()
+                                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [T, H]
+                                                   .Arg<ffi::Buffer<ffi::F32>>())  // g [T, H]
+                              .Arg<ffi::Buffer<ffi::F32>>())  // residual [T * K, 2I] or [0]: recompute
+            .RemainingArgs()               // the weight buffers
+            .Ret<ffi::Buffer<ffi::F32>>()  // dx [T, H]
+            .Ret<ffi::Buffer<ffi::F32>>()  // d out_weight [T, K]
+            .Ret<ffi::Buffer<ffi::F32>>()  // d in_scale [T, K] or [0]
+            .Ret<ffi::Buffer<ffi::F32>>()  // d gate|up bias [E, 2I] or [0]
+            .Ret<ffi::Buffer<ffi::F32>>()  // d down bias [E, H] or [0]
+            .Ret<ffi::Buffer<ffi::F32>>()  // d gate A [n, E, r, H] or [0]: the adapters' gradients (none: frozen)
+            .Ret<ffi::Buffer<ffi::F32>>()  // d gate B [n, E, I, r] or [0]
+            .Ret<ffi::Buffer<ffi::F32>>()  // d gate scale [n] or [0]
+            .Ret<ffi::Buffer<ffi::F32>>()  // d up A
+            .Ret<ffi::Buffer<ffi::F32>>()  // d up B
+            .Ret<ffi::Buffer<ffi::F32>>()  // d up scale
+            .Ret<ffi::Buffer<ffi::F32>>()  // d down A [n, E, r, I] or [0]
+            .Ret<ffi::Buffer<ffi::F32>>()  // d down B [n, E, H, r] or [0]
+            .Ret<ffi::Buffer<ffi::F32>>()  // d down scale
+            .RemainingRets()));            // the weight gradients (none: base frozen)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExpertsTrainForward, moe::bwd::TrainForwardCall,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, H]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // indices [T, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // out_weight [T, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // in_scale [T, K] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate|up bias [E, 2I] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // down bias [E, H] or [0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // NVFP4 scale2 [3, E] or [0]
-                                  .RemainingArgs()               // the weight buffers
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // residual [T * K, 2I]
-                                  .Attr<int64_t>("fmt")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("intermediate")
-                                  .Attr<int64_t>("group")
-                                  .Attr<int64_t>("fields_per_proj")
-                                  .Attr<int64_t>("per_expert")
-                                  .Attr<int64_t>("act_kind")
-                                  .Attr<int64_t>("has_limit")
-                                  .Attr<float>("limit")
-                                  .Attr<float>("alpha")
-                                  .Attr<int64_t>("clamp_after")
-                                  .Attr<int64_t>("max_threads"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExpertsTrainForward, moe::NoThrow<moe::bwd::TrainForwardCall>::Call,
+                              moe::BindExpertsAttrs(moe::BindLoRAArgs(moe::BindExpertsArgs())
+                                                        .RemainingArgs()                // the weight buffers
+                                                        .Ret<ffi::Buffer<ffi::F32>>()   // out [T, H]
+                                                        .Ret<ffi::Buffer<ffi::F32>>()));  // residual [T * K, 2I]

@@ -7,6 +7,19 @@
 namespace moe {
 namespace bwd {
 
+// The adapters of a backward or training-forward call (lora.h's stacks) and their gradients. With adapters, the
+// pairs of an expert are ordered by adapter id, then row (build_pairs): each adapter's rows are one run, its
+// gradients products over the run in row order.
+struct BwdLoRA {
+  LoRAJob adapters;           // targets and the rows' ids (lora.h); its per-pair state is unused here
+  std::vector<int> pair_ad;   // [P] each pair's adapter, 0: none
+  bool want = false;          // the adapters' gradients are asked for
+  float* da[3] = {};          // [n, E, r, in] per target (gate, up, down), null when absent or not wanted
+  float* db[3] = {};          // [n, E, out, r]
+  float* ds[3] = {};          // [n] the scale's gradient
+  std::vector<float> ds_part[3];  // [E, n] each expert's share of ds, summed over experts in order afterwards
+};
+
 // One backward call over the routed (row, expert) pairs. A pair is one row and one expert it chose: slots of a
 // row with the same expert are one pair, on their summed input scale and summed output weight (the reference's
 // semantics, reference_routed). Pairs are grouped by expert (ascending id), in order of their rows inside one.
@@ -40,6 +53,7 @@ struct BwdJob {
   std::vector<float*> dw_ptr;     // [field * E + e]
   float* d_gate_up_bias = nullptr;  // [E, 2I] or null
   float* d_down_bias = nullptr;     // [E, H] or null
+  BwdLoRA* lora = nullptr;          // the adapters, or null
 
   const uint8_t* field(int f, int e) const { return field_ptr[static_cast<size_t>(f) * E + e]; }
   float* dw(int f, int e) const { return dw_ptr.empty() ? nullptr : dw_ptr[static_cast<size_t>(f) * E + e]; }
@@ -52,6 +66,7 @@ struct BwdJob {
 struct BwdKernels {
   void (*expert)(const BwdJob&, int u);   // every pair of union expert u, and its weight gradients
   void (*forward)(const BwdJob&, int u);  // the training forward of union expert u: pair_y and residual
+  void (*lora_zero)(const BwdJob&, int k, int e);  // zeros for target k's adapter gradients of expert e
 };
 
 namespace generic {

@@ -37,6 +37,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "ffi_bind.h"
 #include "moe_job.h"
 #include "parallel.h"
 
@@ -541,72 +542,13 @@ static ffi::Error LoRADeltaCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
   return ffi::Error::Success();
 }
 
-// A handler that returns an exception thrown by F (a failed allocation of the call's buffers) as an error to
-// XLA instead of unwinding through the FFI's C boundary; the signature is F's.
-template <auto F>
-struct NoThrow;
-template <typename... Args, ffi::Error (*F)(Args...)>
-struct NoThrow<F> {
-  static ffi::Error Call(Args... args) {
-    try {
-      return F(args...);
-    } catch (const std::exception& err) {
-      return ffi::Error::Internal(std::string("moejax native: ") + err.what());
-    }
-  }
-};
-
-
-// The arguments both routed-experts handlers start with.
-static auto BindExpertsArgs() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::Buffer<ffi::F32>>()   // x [T, H]
-      .Arg<ffi::Buffer<ffi::S32>>()   // indices [T, K]
-      .Arg<ffi::Buffer<ffi::F32>>()   // out_weight [T, K]
-      .Arg<ffi::Buffer<ffi::F32>>()   // in_scale [T, K] or [0]
-      .Arg<ffi::Buffer<ffi::F32>>()   // gate|up bias [E, 2I] or [0]
-      .Arg<ffi::Buffer<ffi::F32>>()   // down bias [E, H] or [0]
-      .Arg<ffi::Buffer<ffi::F32>>();  // NVFP4 scale2 [3, E] or [0]
-}
-
-// The weight buffers, the result and the attributes both handlers end with, after `binding`'s arguments.
-template <typename Binding>
-static auto BindExpertsRest(Binding binding) {
-  return std::move(binding)
-      .RemainingArgs()                        // the weight buffers
-      .template Ret<ffi::Buffer<ffi::F32>>()  // out [T, H]
-      .template Attr<int64_t>("fmt")
-      .template Attr<int64_t>("num_experts")
-      .template Attr<int64_t>("intermediate")
-      .template Attr<int64_t>("group")
-      .template Attr<int64_t>("fields_per_proj")
-      .template Attr<int64_t>("per_expert")
-      .template Attr<int64_t>("act_kind")
-      .template Attr<int64_t>("has_limit")
-      .template Attr<float>("limit")
-      .template Attr<float>("alpha")
-      .template Attr<int64_t>("clamp_after")
-      .template Attr<int64_t>("max_threads")
-      .template Attr<int64_t>("act_group");  // 0: float32 activations; > 0: int8 per that many inputs (act8.h)
-}
 }  // namespace moe
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExperts, moe::NoThrow<moe::MoeExpertsCall>::Call,
                               moe::BindExpertsRest(moe::BindExpertsArgs()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRoutedExpertsLoRA, moe::NoThrow<moe::MoeExpertsLoRACall>::Call,
-                              moe::BindExpertsRest(moe::BindExpertsArgs()
-                                                       .Arg<ffi::Buffer<ffi::S32>>()    // adapter ids [T]
-                                                       .Arg<ffi::Buffer<ffi::F32>>()    // gate A [n, E, r, H] or [0]
-                                                       .Arg<ffi::Buffer<ffi::F32>>()    // gate B [n, E, I, r] or [0]
-                                                       .Arg<ffi::Buffer<ffi::F32>>()    // gate scale [n] or [0]
-                                                       .Arg<ffi::Buffer<ffi::F32>>()    // up A
-                                                       .Arg<ffi::Buffer<ffi::F32>>()    // up B
-                                                       .Arg<ffi::Buffer<ffi::F32>>()    // up scale
-                                                       .Arg<ffi::Buffer<ffi::F32>>()    // down A [n, E, r, I] or [0]
-                                                       .Arg<ffi::Buffer<ffi::F32>>()    // down B [n, E, H, r] or [0]
-                                                       .Arg<ffi::Buffer<ffi::F32>>())); // down scale
+                              moe::BindExpertsRest(moe::BindLoRAArgs(moe::BindExpertsArgs())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLoRADelta, moe::NoThrow<moe::LoRADeltaCall>::Call,
                               ffi::Ffi::Bind()

@@ -70,6 +70,7 @@ SLOW_FILES = {
     "test_native_layer.py",
     "test_native_lora.py",
     "test_native_backward.py",
+    "test_native_lora_backward.py",
     "test_native_act8.py",
     "test_plans.py",
     "test_cpu_plans.py",

@@ -18,7 +18,8 @@ fail, one error lists each one's reason.
 
 Gradients: `run_routed` wraps every backend but the reference and ragged in a `jax.custom_vjp` whose backward is
 the backend's own where it has one and reads the experts' format: the native C++ backward where the native forward
-runs (`native.routed_backward`: dense float weights, or a frozen quantized base; no adapters), the Pallas grouped
+runs (`native.routed_backward`: dense float weights, or a frozen quantized base; the routed experts' adapters on
+either; not int8 activations), the Pallas grouped
 backward kernels (`pallas.pallas_vjp`: dense stacked weights; under "auto" only on devices validated.json lists
 them for, `pallas.validated_vjp`); else `moejax.backends.backward.routed_vjp`, a grouped backward over the routed
 (row, expert) pairs only (the plans' loops with device trip counts are not reverse-differentiable). Each gives

@@ -26,7 +26,9 @@ routed (row, expert) pair's gate/up pre-activations, `T·K·2I` float32, for `ro
 matrix products per expert instead of 8). Its output equals the forward kernels' within float32 rounding (another
 summation order; the same batch and thread invariance). `save_residuals(False)` makes the backward recompute them
 instead (less memory, the inference forward's output bits); `jax.checkpoint` around the layer recomputes the whole
-forward as usual.
+forward as usual. With adapters (`LoRAExperts`) both take the stack too: the saved pre-activations include the gate
+and up deltas, and the backward gives each adapter's A, B and scale gradients over the pairs whose row uses it
+(csrc/backward_kernels.inc), besides the input gradient through the deltas.
 
 The extension is optional (setup.py); `available()` says whether it is built, loaded and enabled.
 `enable(False)` hides it (then `impl="auto"` runs the XLA plans) for the programs traced afterwards, without
@@ -408,23 +410,37 @@ def _scale2(parts, per_expert: bool) -> Array:
     return jnp.stack([_stack(parts, f"{p}_scale2", per_expert).reshape(-1) for p in ("gate", "up", "down")])
 
 
-def _trainable_spec(experts, x: Array, slots: Slots, perturbed: tuple) -> tuple[dict, bool]:
-    """The weight spec of experts the native backward reads, and whether the experts are differentiated.
+def _trainable_spec(experts, x: Array, slots: Slots, perturbed: tuple) -> tuple[dict, bool, bool]:
+    """The weight spec of the base experts the native backward reads, whether the base is differentiated, and
+    whether the adapters are (experts wrapped with a stack's adapters: `LoRAExperts`; else False).
 
     Raises:
-      NotImplementedError: not built, or experts the backward does not read (adapters, int8 activations, a
-        differentiated quantized base).
+      NotImplementedError: not built, or experts the backward does not read (int8 activations, a differentiated
+        quantized base).
     """
     if not available():
         raise NotImplementedError("the native CPU kernels are not built or not loaded (moejax._native_cpu)")
-    if isinstance(experts, LoRAExperts):
-        raise NotImplementedError("native backward: experts with adapters")
     _check_rows(x, slots)
-    spec = _weight_spec(experts, x.shape[1])
-    want_base = any(jax.tree.leaves(perturbed[0]))
-    if spec["fmt"] >= _QUANTIZED[("int", 8)] and (want_base or spec["act_group"]):
-        raise NotImplementedError("native backward: quantized experts are read frozen with float32 activations")
-    return spec, want_base
+    lora = isinstance(experts, LoRAExperts)
+    spec = _weight_spec(experts.base if lora else experts, x.shape[1])
+    flags = perturbed[0]
+    want_base = any(jax.tree.leaves(flags.base if lora else flags))
+    want_lora = lora and any(jax.tree.leaves(flags.lora))
+    if spec["act_group"]:
+        raise NotImplementedError("native backward: int8 activations")
+    if spec["fmt"] >= _QUANTIZED[("int", 8)] and want_base:
+        raise NotImplementedError("native backward: quantized experts are read frozen")
+    return spec, want_base, want_lora
+
+
+_NO_ADAPTERS = 10  # the adapter operands of a call without them: ids, then A, B, scale of gate, up and down
+
+
+def _adapter_operands(experts, slots: Slots, spec: dict, H: int) -> list[Array]:
+    """The adapter operands of the training forward and the backward (`_lora_operands`; empty without adapters)."""
+    if not isinstance(experts, LoRAExperts):
+        return [jnp.zeros((0,), jnp.int32)] + [jnp.zeros((0,), jnp.float32)] * (_NO_ADAPTERS - 1)
+    return _lora_operands(experts, slots, spec["E"], H, spec["I"])
 
 
 def _slot_operands(slots: Slots, spec: dict) -> list[Array]:
@@ -458,13 +474,14 @@ def routed_train_forward(
     Raises:
       NotImplementedError: as `routed_backward`.
     """
-    spec, _ = _trainable_spec(experts, x, slots, perturbed)
+    spec, _, _ = _trainable_spec(experts, x, slots, perturbed)
     (T, H), K, E, I = x.shape, slots.indices.shape[1], spec["E"], spec["I"]
     f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     call = jax.ffi.ffi_call(TRAIN_TARGET, [f32((T, H)), f32((T * K, 2 * I))], vmap_method="sequential")
     out, residual = call(
         x.astype(jnp.float32),
         *_slot_operands(slots, spec),
+        *_adapter_operands(experts, slots, spec, H),
         *spec["buffers"],
         **_attributes(spec, E, I, act, max_threads),
     )
@@ -488,38 +505,49 @@ def routed_backward(
     Dense float32 / bfloat16 / float16 experts in either layout: the input, slot-weight and input-scale gradients,
     and the weight and bias gradients when the experts are differentiated (float32 sums, then the weights' dtype).
     Quantized experts (float32 activations) with the base frozen: the input and slot gradients (QLoRA-style).
+    Either wrapped with a stack's adapters (`LoRAExperts`): also the gradients of each adapter's A, B and scale
+    when the adapters are differentiated (zeros for id 0 and for an (adapter, expert) no pair uses).
     Gradients are summed per expert by one thread in row order: the same bits run to run and at any thread count.
     residual: `routed_train_forward`'s of the same call, or None: the pre-activations are recomputed (the same
     bits either way).
 
     Raises:
-      NotImplementedError: not built, or experts the backward does not read (adapters, int8 activations, a
-        differentiated quantized base).
+      NotImplementedError: not built, or experts the backward does not read (int8 activations, a differentiated
+        quantized base).
     """
-    spec, want_base = _trainable_spec(experts, x, slots, perturbed)
+    spec, want_base, want_lora = _trainable_spec(experts, x, slots, perturbed)
     _, p_x, p_slots = perturbed
     T, H = x.shape
     E, I = spec["E"], spec["I"]
+    lora = experts if isinstance(experts, LoRAExperts) else None
+    base = experts if lora is None else lora.base
     has_bias = spec["biases"][0] is not None
     f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     bias_shapes = ((E, 2 * I), (E, H)) if has_bias and want_base else ((0,), (0,))
     weight_shapes = [f32(b.shape) for b in spec["buffers"]] if want_base else []
+    adapters = _adapter_operands(experts, slots, spec, H)
+    adapter_shapes = [f32(a.shape if want_lora else (0,)) for a in adapters[1:]]
     K = slots.indices.shape[1]
     results = [f32((T, H)), f32((T, K)), f32((T, K) if slots.in_scale is not None else (0,))]
-    results += [f32(s) for s in bias_shapes] + weight_shapes
+    results += [f32(s) for s in bias_shapes] + adapter_shapes + weight_shapes
     call = jax.ffi.ffi_call(BACKWARD_TARGET, results, vmap_method="sequential")
-    d_x, d_out, d_scale, d_gu_bias, d_d_bias, *d_weights = call(
+    d_x, d_out, d_scale, d_gu_bias, d_d_bias, *rest = call(
         x.astype(jnp.float32),
         cotangent.astype(jnp.float32),
         *_slot_operands(slots, spec),
         jnp.zeros((0,), jnp.float32) if residual is None else residual,
+        *adapters,
         *spec["buffers"],
         **_attributes(spec, E, I, act, max_threads),
     )
+    d_adapters, d_weights = rest[: len(adapter_shapes)], rest[len(adapter_shapes) :]
     if want_base:
-        d_experts = _weight_cotangent(experts, d_weights, (d_gu_bias, d_d_bias) if has_bias else None)
+        d_experts = _weight_cotangent(base, d_weights, (d_gu_bias, d_d_bias) if has_bias else None)
     else:
-        d_experts = jax.tree.map(_zero_cotangent, experts)
+        d_experts = jax.tree.map(_zero_cotangent, base)
+    if lora is not None:
+        d_lora = _adapter_cotangent(lora.lora, d_adapters) if want_lora else jax.tree.map(_zero_cotangent, lora.lora)
+        d_experts = LoRAExperts(d_experts, d_lora)
     d_slots = Slots(
         np.zeros(slots.indices.shape, jax.dtypes.float0),
         d_out.astype(slots.out_weight.dtype) if p_slots.out_weight else None,
@@ -527,6 +555,21 @@ def routed_backward(
         None if slots.adapter is None else np.zeros(slots.adapter.shape, jax.dtypes.float0),
     )
     return d_experts, d_x.astype(x.dtype) if p_x else None, d_slots
+
+
+def _adapter_cotangent(lora, d_adapters: list[Array]):
+    """The adapters' cotangent from the backward's float32 gradients (A, B, scale of gate, up and down; empty for
+    an absent target), each in its primal's dtype and shape."""
+
+    def pair(k: int, p: LoRAPair | None) -> LoRAPair | None:
+        if p is None:
+            return None
+        d_a, d_b, d_s = d_adapters[3 * k : 3 * k + 3]
+        cast = lambda d, primal: d.reshape(jnp.shape(primal)).astype(jnp.result_type(primal))
+        return LoRAPair(cast(d_a, p.a), cast(d_b, p.b), cast(d_s, p.scale))
+
+    targets = ("gate", "up", "down")
+    return dataclasses.replace(lora, **{name: pair(k, getattr(lora, name)) for k, name in enumerate(targets)})
 
 
 def _zero_cotangent(leaf: Array) -> Array | np.ndarray:
