@@ -1,7 +1,7 @@
 """moejax's routed experts next to ggml's MUL_MAT_ID (llama.cpp's CPU MoE matmul), formats paired by bits.
 
     python benchmarks/ggml_decode.py --ggml /work/ggml [--build] [--n 1 4 8 32 512] [--formats int8 int4_a8 ...]
-        [--steps 8] [--rounds 5] [--json [PATH]]
+        [--working-set equal|layer] [--steps 8] [--rounds 5] [--json [PATH]]
 
 ggml side: `test-backend-ops perf -o MUL_MAT_ID -b CPU` (built from the checkout at --ggml with `--build`: cmake
 -DGGML_NATIVE=ON -DGGML_BUILD_TESTS=ON, target test-backend-ops; or an existing build/bin/test-backend-ops there, or
@@ -11,10 +11,17 @@ holds Qwen3-30B-A3B (n_mats=128, n_used=8, m=768, k=2048) for F32, F16, Q4_0, Q8
 n_mats=32, n_used=4, m=2880, k=2880); `--build` first adds BF16 to the first and n=32 to the second (two
 edits of tests/test-backend-ops.cpp's perf list, printed), so every pair below has its ggml number.
 
-moejax side: the same work, the whole routed layer (gate, up, down: 3 projections of the same size) of n tokens
-inside a jitted `lax.scan` of --steps decode steps with the native kernels (`impl="native"`), the same tokens every
-step (so the same experts, in cache like ggml's), time per step / 3. Both on this machine's threads (ggml's
-test-backend-ops uses hardware_concurrency; XLA's pool the same cores).
+moejax side: the whole routed layer (gate, up, down) of n tokens inside a jitted `lax.scan` of --steps decode
+steps with the native kernels (`impl="native"`), the same tokens every step (so the same experts, as ggml's fixed
+ids). Both on this machine's threads (ggml's test-backend-ops uses hardware_concurrency; XLA's pool the same cores).
+What one moejax time covers (--working-set):
+  * equal (default): the layer at intermediate size m/3, time per step. Its 3 projections hold the bytes and the
+    multiply-adds of ggml's one projection, so both timed units read the same working set from the same level of
+    the memory hierarchy: at the Qwen3 shape and n=1, 8 experts' Q8_0 projection (13.4 MB) sits in a 32 MiB L3, and
+    so does moejax's int8 g32 step (14 MB).
+  * layer: the layer at ggml's m, time per step / 3. Its step reads three times ggml's bytes (int8 g32: 42 MB), from
+    memory where ggml's one projection came from the cache: the comparison favours ggml wherever that projection
+    fits the last-level cache and the layer does not.
 
 Pairs (bits per weight): float32 / F32, bfloat16 / F16 and BF16, int8 g32 / Q8_0, int4 g32 / Q4_0, int4 g32 with
 int8 activations / Q4_0, int8 g32 with int8 activations / Q8_0, MXFP4 (with and without int8 activations) / MXFP4
@@ -110,29 +117,36 @@ def ggml_times(binary: pathlib.Path, types: set[str], ns: set[int]) -> dict[tupl
     return times
 
 
-def layer_config(shape: dict) -> moejax.MoEConfig:
-    """The routed layer of the shape's model (gate/up [k -> m], down [m -> k]), no shared expert."""
+# --working-set -> (the layer's intermediate size as a divisor of ggml's m, projections per timed step)
+WORKING_SETS = {"equal": 3, "layer": 1}
+
+
+def layer_config(shape: dict, intermediate: int) -> moejax.MoEConfig:
+    """The routed layer of the shape's model (gate/up [k -> intermediate], down [intermediate -> k]), no shared
+    expert."""
     if shape is GPT_OSS:  # gpt-oss-20b: swiglu with its clamp, biases
         return moejax.MoEConfig.preset(
             "gpt_oss", hidden_size=shape["k"], num_experts=shape["n_mats"], top_k=shape["n_used"],
-            intermediate_size=shape["m"],
+            intermediate_size=intermediate,
         )  # fmt: skip
     return moejax.MoEConfig.preset(
         "qwen3_moe", hidden_size=shape["k"], num_experts=shape["n_mats"], top_k=shape["n_used"],
-        intermediate_size=shape["m"],
+        intermediate_size=intermediate,
     )  # fmt: skip
 
 
-def moejax_times(name: str, ns: list[int], steps: int, rounds: int) -> dict[int, float]:
-    """n -> us per projection of the native routed layer (min over rounds of a --steps scan / steps / 3)."""
+def moejax_times(name: str, ns: list[int], steps: int, rounds: int, working_set: str) -> dict[int, float]:
+    """n -> us per ggml projection's worth of the native routed layer (min over rounds of a --steps scan / steps,
+    / 3 for --working-set layer)."""
     fmt, x_dtype, _, shape = PAIRS[name]
+    per_step = 3 // WORKING_SETS[working_set]  # ggml projections' worth of bytes in one step
     if isinstance(fmt, tuple):
         try:
             fmt = format_by_name(fmt[0], **fmt[1])
         except NotImplementedError as e:  # an option this version does not have: no number
             print(f"{name}: {e}")
             return dict.fromkeys(ns)
-    cfg = layer_config(shape)
+    cfg = layer_config(shape, shape["m"] // WORKING_SETS[working_set])
     params = moejax.init_params(cfg, jax.random.key(0), jnp.float32 if fmt is ExpertWeights and x_dtype ==
                                 jnp.float32 else jnp.bfloat16, fmt=fmt)  # fmt: skip
 
@@ -153,7 +167,7 @@ def moejax_times(name: str, ns: list[int], steps: int, rounds: int) -> dict[int,
             t0 = time.perf_counter()
             run(params, x).block_until_ready()
             best = min(best, time.perf_counter() - t0)
-        out[n] = best / steps / 3 * 1e6
+        out[n] = best / steps / per_step * 1e6
     del params
     return out
 
@@ -165,6 +179,11 @@ def main() -> int:
     parser.add_argument("--build", action="store_true", help="build test-backend-ops in --ggml first")
     parser.add_argument("--formats", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     parser.add_argument("--n", nargs="+", type=int, default=[1, 4, 8, 32, 512], help="tokens per step")
+    parser.add_argument(
+        "--working-set", default="equal", choices=list(WORKING_SETS),
+        help="equal: moejax's layer at intermediate m/3, per step (one ggml projection's bytes); layer: at m, per "
+        "step / 3",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=8, help="decode steps per jitted call (n=512: 1)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", nargs="?", const="", default=None, help="write a results file")
@@ -184,9 +203,9 @@ def main() -> int:
     print(f"{'moejax':9s} {'ggml':6s} {'n':>4s} {'ggml us':>9s} {'moejax us':>9s} {'ggml/moejax':>11s}")
     for name in args.formats:
         small = [n for n in args.n if n < 512]
-        mj = moejax_times(name, small, args.steps, args.rounds) if small else {}
+        mj = moejax_times(name, small, args.steps, args.rounds, args.working_set) if small else {}
         if 512 in args.n:
-            mj |= moejax_times(name, [512], 1, max(2, args.rounds // 2))
+            mj |= moejax_times(name, [512], 1, max(2, args.rounds // 2), args.working_set)
         shape = PAIRS[name][3]
         for t in PAIRS[name][2]:
             row = {"moejax": name, "ggml": t}  # one row per pair: the ratio per n, then both times per n
@@ -201,12 +220,18 @@ def main() -> int:
                 print(f"{name:9s} {t:6s} {n:4d} {gs:>9s} {ms:>9s} {rs:>11s}", flush=True)
             rows.append(row | times)
     if args.json is not None:
+        moejax_unit = {
+            "equal": "at intermediate size m/3, per step (one ggml projection's bytes and multiply-adds). ",
+            "layer": "at m, per step / 3. ",
+        }[args.working_set]
         notes = (
-            "n=N: ggml's time / moejax's per projection (one of gate/up/down) of N tokens, above 1: moejax faster; "
+            "n=N: ggml's time / moejax's per projection's worth of N tokens, above 1: moejax faster; "
             "us n=N: ggml's / moejax's microseconds. ggml: "
             "test-backend-ops perf MUL_MAT_ID (Qwen3-30B-A3B n_mats=128,n_used=8,m=768,k=2048; MXFP4 at gpt-oss-20b's "
-            "n_mats=32,n_used=4,m=2880,k=2880); moejax: the native routed layer in a jitted scan, per step / 3. "
-            "Both on all cores of this machine. " + args.note
+            "n_mats=32,n_used=4,m=2880,k=2880); moejax: the native routed layer in a jitted scan, "
+            + moejax_unit
+            + "Both on all cores of this machine. "
+            + args.note
         ).strip()
         date = time.strftime("%Y-%m-%d")
         path = args.json or report.RESULTS / f"ggml_decode_{date}.json"

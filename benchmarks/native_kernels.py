@@ -1,14 +1,14 @@
 """Kernel-only timing of the native routed-expert kernels (benchmarks/native_kernels.cc): no XLA, no router.
 
     python benchmarks/native_kernels.py [--csrc csrc [--csrc /tmp/old/csrc ...]] [--formats int8 int4 ...]
-        [--threads 1 2] [--rounds 6] [--reps 5] [-E 48] [-T 1] [--cpu-time] [--phases 7] [--read] [--isa avx2 avx512]
-        [--prefetch-f32 auto|on|off]
+        [--threads 1 2] [--rounds 6] [--reps 5] [-E 48] [-T 1] [--group 128] [--cpu-time] [--phases 7] [--read]
+        [--isa avx2 avx512] [--prefetch-f32 auto|on|off]
 
 Compiles the harness once per csrc tree (g++, the package's flags; libraries cached under /tmp/moejax_kernels),
 builds one model per format (Qwen3-30B-A3B's experts: H=2048, I=768, E=48 by default: more bytes than the L3, so
-the weights come from memory; int8 / int4 groups of 128, symmetric), then times calls of T rows (default decode, T=1;
-each row K=8 distinct random experts, a new x and new experts per call; -T 128 -E 32: about 32 rows per expert,
-prefill's many-row kernels) in interleaved rounds: per round every (format, threads, tree)
+the weights come from memory; int8 / int4 groups of --group inputs, default 128, symmetric), then times calls of
+T rows (default decode, T=1; each row K=8 distinct random experts, a new x and new experts per call; -T 128 -E 32:
+about 32 rows per expert, prefill's many-row kernels) in interleaved rounds: per round every (format, threads, tree)
 runs --reps calls; the minimum over all is printed with its GMAC/s and GB/s per thread and its ratio to
 float32 (the fused [out, in] layout) of the same tree and thread count. --cpu-time (or --cpu): CPU time instead
 of the wall clock (one thread: the thread's clock, far less sensitive to other load on the machine; more threads:
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("-H", type=int, default=2048, help="hidden size")
     parser.add_argument("-I", type=int, default=768, help="intermediate size (-I 128 -E 8: the weights fit the L3)")
     parser.add_argument("-T", type=int, default=1, help="rows per call (K distinct experts each)")
+    parser.add_argument("--group", type=int, default=128, help="int8 / int4 group size (inputs per scale)")
     parser.add_argument("--cpu-time", "--cpu", action="store_true", help="time CPU time, not the wall clock")
     parser.add_argument("--phases", type=int, default=7, help="bit 0 gate/up, bit 1 down, bit 2 combine")
     parser.add_argument("--read", action="store_true", help="also time the read ceiling")
@@ -97,7 +98,7 @@ def main() -> None:
         lib.kb_set_cpu_clock(int(args.cpu_time))
         lib.kb_set_prefetch_f32({"auto": -1, "on": 1, "off": 0}[args.prefetch_f32])
     first = next(iter(libs.values()))  # the Model type is the harness's own: one set of models serves every tree
-    models = {f: first.kb_make(FORMATS[f], H, I, args.E, 128) for f in args.formats}
+    models = {f: first.kb_make(FORMATS[f], H, I, args.E, args.group) for f in args.formats}
     variants = {f"{isa} {tree}": (lib, ISAS[isa]) for tree, lib in libs.items() for isa in args.isa}
     best: dict[tuple[str, int, str], float] = {}
     for _ in range(args.rounds):
@@ -109,7 +110,7 @@ def main() -> None:
                     key = (f, th, name)
                     best[key] = min(best.get(key, 1e9), mn.value)
     macs = args.T * K * 3 * H * I
-    shape = f"T={args.T}, K={K} of E={args.E}, H={H}, I={I}"
+    shape = f"T={args.T}, K={K} of E={args.E}, H={H}, I={I}, int group {args.group}"
     print(f"{shape}; min over {args.rounds} x {args.reps} calls, phases {args.phases}")
     print(f"{'format':10s} thr {'ms':>7s} {'GMAC/s/thr':>10s} {'GB/s/thr':>9s} {'/f32':>5s}  isa tree")
     for f in args.formats:

@@ -80,6 +80,8 @@ static inline float activation(const Activation& a, float g, float u) {
 
 // A read prefetch into all cache levels (never faults, whatever the address).
 static inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+// A read prefetch into the L2 (and outer) caches, not the L1 (x86: prefetcht1).
+static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 // Whether the one-row kernels prefetch float32 weight streams in software (the quantized and 16-bit ones always
 // do). On the Intel Xeon measured (AVX-512) float32 decode ran 18-27% faster without (the hardware
@@ -93,6 +95,10 @@ static inline bool soft_prefetch(int fmt) { return fmt != kDenseF32 || g_soft_pr
 // CPU has AVX-512 VNNI.
 inline bool g_act8_vnni = false;
 static inline bool soft_prefetch_f32_default() { return !cpu_features().intel; }
+// Whether the one-row kernels prefetch the whole-row streams of int8 and the 4-bit formats ~6 KiB ahead into L2
+// (kernels_inout.inc's inout_row1): measured on AMD EPYC (Zen 4); Intel CPUs keep the ~2.3 KiB L1 prefetch that was
+// measured there.
+static inline bool row1_prefetch_l2() { return !cpu_features().intel; }
 
 // One [in, out] projection of one expert (moejax.quantized's layout; dense [in, out] uses q and n_in only).
 struct InOut {

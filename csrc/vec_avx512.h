@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include "target.h"
 #include "vec_avx2.h"
@@ -25,6 +26,7 @@ static inline W wset1(float a) { return _mm512_set1_ps(a); }
 static inline W wload(const float* p) { return _mm512_loadu_ps(p); }
 static inline void wstore(float* p, W a) { _mm512_storeu_ps(p, a); }
 static inline W wadd(W a, W b) { return _mm512_add_ps(a, b); }
+static inline W wmul(W a, W b) { return _mm512_mul_ps(a, b); }
 static inline W wfma(W a, W b, W c) { return _mm512_fmadd_ps(a, b, c); }
 static inline WI wiload(const int32_t* p) { return _mm512_loadu_si512(p); }
 static inline WI wiset1(int32_t a) { return _mm512_set1_epi32(a); }
@@ -67,6 +69,14 @@ static inline W we4m3_to_f32_div256(const uint8_t* p) {
   const __m256i mag = _mm256_set1_epi16(0x3F80);
   h = _mm256_mask_mov_epi16(h, _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, mag), mag), _mm256_set1_epi16(0x7E00));
   return _mm512_cvtph_ps(h);
+}
+// 16 e8m0 scale bytes -> 2^(s - 127) (s = 0: 2^-127, s = 255: NaN), as vec_avx2.h's ve8m0_to_f32 on each half.
+static inline W we8m0_to_f32(const uint8_t* p) {
+  const __m512i s = wu8_to_i32(p);
+  W v = _mm512_castsi512_ps(_mm512_slli_epi32(s, 23));
+  v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(s, _mm512_setzero_si512()), _mm512_set1_ps(0x1p-127f));
+  return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(255)),
+                            _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
 }
 static inline W wbf16_to_f32(const uint8_t* p) {
   const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
