@@ -40,6 +40,7 @@ from kernel_bench import (  # noqa: E402
     REL_TOL,
     ceilings,
     check_kernels,
+    failed_row,
     kernel_args,
     make_layer,
     print_table,
@@ -87,7 +88,8 @@ def check_backward(params, cfg, smoke: bool) -> list[dict]:
     for name in GRADIENTS:
         g, w = getattr(got, name).astype(jnp.float32), getattr(want, name).astype(jnp.float32)
         err = float(jnp.max(jnp.abs(g - w)))
-        rel[name], abs_err = err / float(jnp.max(jnp.abs(w))), max(abs_err, err)
+        rel[name] = err / float(jnp.max(jnp.abs(w)))
+        abs_err = max(abs_err, err)
         finite = finite and bool(jnp.all(jnp.isfinite(g)))
     worst = max(rel.values())
     row = {"kernel": "moe_grouped_vjp", "T": T, "max_abs_error": abs_err, "max_rel_error": worst}
@@ -117,7 +119,7 @@ def bench_training(layer, params, Ts: list[int], smoke: bool) -> list[dict]:
                 t_fwd = timed(forward, params.experts, x, params, probe, reps=reps, batches=batches)
                 t_train = timed(train, params.experts, x, params, probe, reps=reps, batches=batches)
             except Exception as err:  # report a failing implementation and go on with the table
-                rows.append({"layer": layer.name, "T": T, "impl": impl, "error": f"{type(err).__name__}: {err}"[:500]})
+                rows.append(failed_row(layer.name, T, impl, err))
                 continue
             rows.append(
                 {

@@ -143,6 +143,11 @@ def kernel_args(params, x, slots: Slots):
     return (x, e.gate, e.up, e.down, slots.indices, slots.out_weight, slots.in_scale)
 
 
+def failed_row(layer: str, T: int, impl: str, err: Exception) -> dict:
+    """A table row for an implementation that failed: the table goes on and shows why."""
+    return {"layer": layer, "T": T, "impl": impl, "error": f"{type(err).__name__}: {err}"[:500]}
+
+
 def bench_layer(layer: Layer, params, decode_T, prefill_T, smoke: bool) -> list[dict]:
     cfg = layer.cfg
     H, I, K = cfg.hidden_size, cfg.intermediate_size, cfg.top_k
@@ -161,7 +166,7 @@ def bench_layer(layer: Layer, params, decode_T, prefill_T, smoke: bool) -> list[
                 run = repeated(fn, cfg, reps)
                 t = timed(run, params.experts, x, slots, reps=1, batches=1 if smoke else 3) / reps
             except Exception as err:  # report a failing implementation and go on with the table
-                rows.append({"layer": layer.name, "T": T, "impl": name, "error": f"{type(err).__name__}: {err}"[:500]})
+                rows.append(failed_row(layer.name, T, name, err))
                 continue
             rows.append(
                 {
