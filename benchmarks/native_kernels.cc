@@ -71,6 +71,8 @@ static void pfor(Pool& pool, int64_t n, const std::function<void(int64_t)>& fn) 
 
 // kb_set_cpu_clock: one-thread runs timed by the thread's CPU clock, others by the process's (wall clock: off)
 static bool g_cpu_clock = false;
+// kb_set_act8: int8 activations in groups of this many inputs (act8.h), 0: float32 activations
+static int g_act_group = 0;
 
 static double now() {
   if (g_cpu_clock) {
@@ -181,6 +183,14 @@ static float read_sum(const float* x, size_t n, std::atomic<size_t>& next) {
 extern "C" {
 // 1: kb_run times CPU time (one thread: the thread's clock; far less sensitive to other load), 0: the wall clock.
 void kb_set_cpu_clock(int on) { kb::g_cpu_clock = on != 0; }
+// The calls of kb_run with int8 activations in groups of `group` inputs (the int and 4-bit float formats; 0: off).
+// The AVX-512 variant's VNNI loops where the CPU has them, as the package's module chooses at load.
+void kb_set_act8(int group) {
+  kb::g_act_group = group;
+#if __has_include("act8.h")
+  moe::g_act8_vnni = moe::cpu_features().avx512_vnni;
+#endif
+}
 void* kb_make(int fmt, int H, int I, int E, int group) { return kb::make(fmt, H, I, E, group); }
 void kb_free(void* m) { delete static_cast<kb::Model*>(m); }
 // Bytes of one expert's weights and scales.
@@ -216,7 +226,19 @@ double kb_run(void* mp, int T, int K, int threads, int reps, int phases, int isa
   if (isa >= 1) table = avx2::kTable;
 #endif
 #endif
-  const Kernels& k = table[m->fmt];
+  const Kernels* k_ptr = &table[m->fmt];
+#if __has_include("act8.h")  // a tree with int8 activations: their phase items of the same variant
+  const Act8Kernels* a8 = nullptr;
+  if (kb::g_act_group > 0) {
+    a8 = generic::tables().act8;
+#if MOE_X86
+    if (isa >= 1) a8 = avx2::tables().act8;
+    if (isa >= 2) a8 = avx512::tables().act8;
+#endif
+    k_ptr = &a8->items;
+  }
+#endif
+  const Kernels& k = *k_ptr;
   kb::Pool pool(threads);
   std::mt19937 rng(7);
   std::normal_distribution<float> nd(0, 1);
@@ -262,11 +284,25 @@ double kb_run(void* mp, int T, int K, int threads, int reps, int phases, int isa
     job.out = out.data();
     job.pair_h.resize(P);
     for (size_t p = 0; p < P; ++p) job.pair_h[p] = job.h + p * job.I;
+#if __has_include("act8.h")
+    Act8Job act8;
+    if (a8) {
+      job.act8 = &act8;
+      act8.x.prepare(P, job.H, kb::g_act_group);
+      act8.h.prepare(P, job.I, kb::g_act_group);
+    }
+#endif
     set_chunks(job, threads);
     const int U = static_cast<int>(job.union_ids.size());
     const int n_gu = (job.I + job.chunk_gu - 1) / job.chunk_gu;
     const int n_down = (job.H + job.chunk_down - 1) / job.chunk_down;
+#if __has_include("act8.h")
+    if (a8 && (phases & 1)) kb::pfor(pool, U, [&](int64_t i) { a8->gate_up_inputs(job, static_cast<int>(i)); });
+#endif
     if (phases & 1) kb::pfor(pool, int64_t{U} * n_gu, [&](int64_t i) { k.gate_up(job, i / n_gu, i % n_gu); });
+#if __has_include("act8.h")
+    if (a8 && (phases & 2)) kb::pfor(pool, U, [&](int64_t i) { a8->down_inputs(job, static_cast<int>(i)); });
+#endif
     if (phases & 2) kb::pfor(pool, int64_t{U} * n_down, [&](int64_t i) { k.down(job, i / n_down, i % n_down); });
     if (phases & 4)
       kb::pfor(pool, (T + 7) / 8, [&](int64_t i) { k.combine(job, i * 8, std::min<int>(T, i * 8 + 8)); });

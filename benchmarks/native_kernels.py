@@ -6,7 +6,8 @@
 
 Compiles the harness once per csrc tree (g++, the package's flags; libraries cached under /tmp/moejax_kernels),
 builds one model per format (Qwen3-30B-A3B's experts: H=2048, I=768, E=48 by default: more bytes than the L3, so
-the weights come from memory; int8 / int4 groups of --group inputs, default 128, symmetric), then times calls of
+the weights come from memory; int8 / int4 groups of --group inputs, default 128, symmetric; a format's _a8 name:
+the same weights with int8 activations, csrc/act8.h, in groups of the weight's group), then times calls of
 T rows (default decode, T=1; each row K=8 distinct random experts, a new x and new experts per call; -T 128 -E 32:
 about 32 rows per expert, prefill's many-row kernels) in interleaved rounds: per round every (format, threads, tree)
 runs --reps calls; the minimum over all is printed with its GMAC/s and GB/s per thread and its ratio to
@@ -28,6 +29,8 @@ import sysconfig
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "benchmarks" / "native_kernels.cc"
 FORMATS = {"float32": 3, "bf16": 4, "int8": 6, "int4": 7, "fp8": 8, "mxfp4": 9, "nvfp4": 10, "f32_inout": 0}
+# int8 activations (csrc/act8.h) of a weight format: name -> (weight format, None: the int group, else the group)
+ACT8 = {"int8_a8": ("int8", None), "int4_a8": ("int4", None), "mxfp4_a8": ("mxfp4", 32), "nvfp4_a8": ("nvfp4", 16)}
 K = 8
 ISAS = {"generic": 0, "avx2": 1, "avx512": 2}  # a tree without the AVX-512 variant runs its AVX2 one for avx512
 
@@ -66,6 +69,7 @@ def build(csrc: pathlib.Path) -> ctypes.CDLL:
     lib.kb_run.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 7 + [ctypes.POINTER(ctypes.c_double)]
     lib.kb_set_cpu_clock.argtypes = [ctypes.c_int]
     lib.kb_set_prefetch_f32.argtypes = [ctypes.c_int]
+    lib.kb_set_act8.argtypes = [ctypes.c_int]
     lib.kb_read.restype = ctypes.c_double
     lib.kb_read.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
     return lib
@@ -74,7 +78,7 @@ def build(csrc: pathlib.Path) -> ctypes.CDLL:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--csrc", action="append", help="csrc trees to compare (default: this checkout's)")
-    parser.add_argument("--formats", nargs="+", default=list(FORMATS)[:7], choices=list(FORMATS))
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS)[:7], choices=[*FORMATS, *ACT8])
     parser.add_argument("--threads", nargs="+", type=int, default=[1])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--reps", type=int, default=5, help="calls per (round, case)")
@@ -98,7 +102,9 @@ def main() -> None:
         lib.kb_set_cpu_clock(int(args.cpu_time))
         lib.kb_set_prefetch_f32({"auto": -1, "on": 1, "off": 0}[args.prefetch_f32])
     first = next(iter(libs.values()))  # the Model type is the harness's own: one set of models serves every tree
-    models = {f: first.kb_make(FORMATS[f], H, I, args.E, args.group) for f in args.formats}
+    codes = {f: FORMATS[ACT8[f][0] if f in ACT8 else f] for f in args.formats}
+    act_group = {f: (ACT8[f][1] or args.group) if f in ACT8 else 0 for f in args.formats}
+    models = {f: first.kb_make(codes[f], H, I, args.E, args.group) for f in args.formats}
     variants = {f"{isa} {tree}": (lib, ISAS[isa]) for tree, lib in libs.items() for isa in args.isa}
     best: dict[tuple[str, int, str], float] = {}
     for _ in range(args.rounds):
@@ -106,6 +112,7 @@ def main() -> None:
             for th in args.threads:
                 for name, (lib, isa) in variants.items():
                     mn = ctypes.c_double()
+                    lib.kb_set_act8(act_group[f])
                     lib.kb_run(models[f], args.T, K, th, args.reps, args.phases, isa, 0, ctypes.byref(mn))
                     key = (f, th, name)
                     best[key] = min(best.get(key, 1e9), mn.value)

@@ -95,10 +95,6 @@ static inline bool soft_prefetch(int fmt) { return fmt != kDenseF32 || g_soft_pr
 // CPU has AVX-512 VNNI.
 inline bool g_act8_vnni = false;
 static inline bool soft_prefetch_f32_default() { return !cpu_features().intel; }
-// Whether the one-row kernels prefetch the whole-row streams of int8 and the 4-bit formats ~6 KiB ahead into L2
-// (kernels_inout.inc's inout_row1): measured on AMD EPYC (Zen 4); Intel CPUs keep the ~2.3 KiB L1 prefetch that was
-// measured there.
-static inline bool row1_prefetch_l2() { return !cpu_features().intel; }
 
 // One [in, out] projection of one expert (moejax.quantized's layout; dense [in, out] uses q and n_in only).
 struct InOut {
