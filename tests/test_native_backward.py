@@ -365,7 +365,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+@pytest.mark.skipif(
+    sys.platform != "linux" or "asan" in os.environ.get("LD_PRELOAD", ""), reason="glibc's malloc (not ASan's)"
+)
 def test_keep_freed_memory_reuses_the_last_steps_pages():
     """After `keep_freed_memory`, a step's fresh buffers (72 MiB freed between steps, which fault in again about 1k
     times with glibc's defaults) reuse the last step's pages. In a subprocess: the setting is process-wide."""
