@@ -17,7 +17,9 @@ the layer's weights and gradients beside a third fill a 24 GB machine: run it on
 2 threads (--torch-threads). `--only moejax|hf|peft` runs one library per process (a process's peak memory is one
 library's); `--json PATH` then merges its fields into PATH's rows (by case), and the ratios are taken once both
 sides are there. `--recompute` runs moejax's native backward without the saved pre-activations
-(`moejax.backends.native.save_residuals(False)`), for an A/B in two processes.
+(`moejax.backends.native.save_residuals(False)`), for an A/B in two processes. `--keep-freed-memory` makes malloc
+keep freed memory in the process (`moejax.backends.native.keep_freed_memory()`: each step's fresh gradient buffers
+then reuse the last step's pages instead of faulting in anew), for every library of the process alike.
 
     pip install -e ".[peft]"                          # torch (CPU), transformers, peft
     JAX_PLATFORMS=cpu python benchmarks/train_bench.py --json   # T=512 and 2048, median of 3; benchmarks/results/
@@ -275,6 +277,9 @@ def main() -> None:
         "--only", nargs="*", choices=LIBRARIES, default=None, help="the libraries to run (default: all)"
     )
     parser.add_argument("--recompute", action="store_true", help="native backward without saved pre-activations")
+    parser.add_argument(
+        "--keep-freed-memory", action="store_true", help="malloc keeps freed memory (every library's, native.py)"
+    )
     parser.add_argument("--hf-backends", nargs="*", default=None, help="transformers experts backends (default: all)")
     parser.add_argument("--memory-E", type=int, nargs="*", default=None, help="E of the memory rows")
     parser.add_argument("--json", nargs="?", const="", default=None, help="results file (default: results/)")
@@ -284,6 +289,10 @@ def main() -> None:
         from moejax.backends import native
 
         native.save_residuals(False)
+    if args.keep_freed_memory:
+        from moejax.backends import native
+
+        native.keep_freed_memory()
     layer = vs_hf.make_layer("qwen3-30b-a3b", args.quick)
     cfg = layer.cfg
     params = moejax.init_params(cfg, jax.random.key(0), jnp.float32)
@@ -311,6 +320,8 @@ def main() -> None:
         notes = (
             f"Qwen3-30B-A3B layer{size}, float32; LoRA r={RANK}; medians of {args.repeats}; pre-activations {backward}"
         )
+        if args.keep_freed_memory:
+            notes += "; malloc keeps freed memory (native.keep_freed_memory)"
         path = Path(args.json) if args.json else None
         write("train_bench", merged(path, rows) if path else rows, path, notes)
 

@@ -462,6 +462,7 @@ static ffi::Error TrainForwardCall(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x
                                                  in_scale.element_count() ? in_scale.typed_data() : nullptr);
   const size_t P = job.pair_token.size();
   std::unique_ptr<float[]> pair_y(new float[P * H]);
+  advise_huge_pages(pair_y.get(), P * H * sizeof(float));
   job.pair_y = pair_y.get();
   job.residual = residual->typed_data();
   advise_huge_pages(job.residual, residual->size_bytes());

@@ -4,6 +4,9 @@ biases and input scales at awkward sizes; the same bits run to run, with one thr
 whatever its neighbours; the formats it does not read fall back to the grouped JAX backward."""
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -345,3 +348,30 @@ def test_the_isa_variants_agree(monkeypatch):
     assert all(np.array_equal(a, b) for a, b in zip(_bits(results["avx512"]), _bits(results["avx2"]), strict=True))
     floats = lambda tree: [leaf for leaf in jax.tree.leaves(tree) if leaf.dtype != jax.dtypes.float0]
     _assert_close(floats(results["generic"]), floats(results["avx512"]), 1e-5)
+
+
+_FRESH_BUFFERS = """
+import resource
+import numpy as np
+from moejax.backends import native
+assert native.keep_freed_memory()
+def step():
+    buffers = [np.ones(6 << 20, np.float32) for _ in range(3)]  # 3 x 24 MiB, as a step's gradients
+    del buffers
+step(); step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or "asan" in os.environ.get("LD_PRELOAD", ""), reason="glibc's malloc (not ASan's)"
+)
+def test_keep_freed_memory_reuses_the_last_steps_pages():
+    """After `keep_freed_memory`, a step's fresh buffers (72 MiB freed between steps, which fault in again about 1k
+    times with glibc's defaults) reuse the last step's pages. In a subprocess: the setting is process-wide."""
+    root = os.path.dirname(os.path.dirname(moejax.__file__))
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", _FRESH_BUFFERS], capture_output=True, text=True, check=True, env=env)
+    assert int(run.stdout.split()[-1]) < 100
