@@ -14,7 +14,7 @@
 // task may start late or never before the call ends; one that starts late finds no item and touches nothing).
 // The reduction order of every output element is fixed by kernels.inc, independent of T, neighbours and threads.
 // int8 activations for 4-bit weights (an explicit option, attribute act_group > 0): act8.h, act8_kernels.inc
-// (their items replace 1. and 2., after a phase that quantizes each pair's input; same order guarantees).
+// (their items replace 1. and 2., after a phase that quantizes each distinct input row once; same order guarantees).
 //
 // ISA: kernels.inc is compiled three times, as moe::avx512 (moe_avx512.cc: F, BW, DQ, VL), moe::avx2 (moe_avx2.cc:
 // AVX2, FMA, F16C) and moe::generic (moe_generic.cc, baseline flags, any CPU); the best variant the CPU runs is
@@ -283,6 +283,11 @@ static void build_routing(Job& job, const float* x, const int32_t* idx, const fl
   }
   const int P = start[E];
   job.pair_x.assign(P, nullptr);
+  // A pair's distinct input: its row of x (the pairs of one row, or of its copies, read the same), or with input
+  // scales its own scaled row.
+  job.pair_row.assign(P, -1);
+  std::vector<int> row_number(in_scale ? 0 : T, -1);
+  int rows = 0;
   if (job.lora) job.lora->pair_ad.assign(P, 0);
   if (in_scale) scaled.resize(static_cast<size_t>(P) * H);
   for (int e = 0; e < E; ++e) {
@@ -292,8 +297,12 @@ static void build_routing(Job& job, const float* x, const int32_t* idx, const fl
       if (job.lora) job.lora->pair_ad[p] = job.lora->row_id(reps[e][q].t);
       if (!in_scale) {
         job.pair_x[p] = row;
+        int& number = row_number[reps[e][q].t];
+        if (number < 0) number = rows++;
+        job.pair_row[p] = number;
         continue;
       }
+      job.pair_row[p] = rows++;
       float* dst = scaled.data() + static_cast<size_t>(p) * H;
       for (int i = 0; i < H; ++i) dst[i] = row[i] * reps[e][q].scale;
       job.pair_x[p] = dst;
@@ -444,7 +453,7 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
                                    : static_cast<int>(pool.num_threads()));
   if (lora) lora->prepare(P);
   if (job.act8) {
-    act8.x.prepare(P, job.H, static_cast<int>(act_group));
+    act8.x.prepare(P, job.H, static_cast<int>(act_group), &job.pair_row);
     act8.h.prepare(P, job.I, static_cast<int>(act_group));
   }
 
@@ -452,10 +461,12 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
   const int U = static_cast<int>(job.union_ids.size());
   const int mt = static_cast<int>(max_threads);
   const int n_gu = (job.I + job.chunk_gu - 1) / job.chunk_gu;
-  if (job.act8) parallel_for(&pool, U, mt, [&](int64_t i) { act8_kernels().gate_up_inputs(job, static_cast<int>(i)); });
+  if (job.act8)
+    parallel_for(&pool, act8.x.rows(), mt, [&](int64_t i) { act8_kernels().gate_up_inputs(job, static_cast<int>(i)); });
   if (lora) parallel_for(&pool, U, mt, [&](int64_t i) { lora_kernels().gate_up_inputs(job, static_cast<int>(i)); });
   parallel_for(&pool, static_cast<int64_t>(U) * n_gu, mt, [&](int64_t i) { k.gate_up(job, i / n_gu, i % n_gu); });
-  if (job.act8) parallel_for(&pool, U, mt, [&](int64_t i) { act8_kernels().down_inputs(job, static_cast<int>(i)); });
+  if (job.act8)
+    parallel_for(&pool, act8.h.rows(), mt, [&](int64_t i) { act8_kernels().down_inputs(job, static_cast<int>(i)); });
   if (lora) parallel_for(&pool, U, mt, [&](int64_t i) { lora_kernels().down_inputs(job, static_cast<int>(i)); });
   const int n_down = (job.H + job.chunk_down - 1) / job.chunk_down;
   parallel_for(&pool, static_cast<int64_t>(U) * n_down, mt, [&](int64_t i) { k.down(job, i / n_down, i % n_down); });
