@@ -2,8 +2,8 @@
 // ISA-independent part: the quantized inputs of one call. The kernels are act8_kernels.inc (once per ISA).
 //
 // An explicit option of the integer and 4-bit float formats (int8 / int4 symmetric / asymmetric, MXFP4, NVFP4),
-// never a default. Per distinct input row of a projection (x for gate and up: once per row of the call whatever its experts;
-// h for down: once per (expert, row) pair), once per call:
+// never a default. Per distinct input row of a projection, once per call (x for gate and up: once per row of the
+// call whatever its experts; h for down: once per (expert, row) pair):
 //   q = round_half_even(x / s) in [-127, 127] per group of `group` inputs, s = max|x_g| / 127 (NaN for a group
 //   holding NaN or inf), and Σq per group.
 // The weight codes are multiplied with q in integers, exactly inside a group (vpdpbusd with AVX-512 VNNI,
