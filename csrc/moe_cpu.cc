@@ -14,7 +14,8 @@
 // task may start late or never before the call ends; one that starts late finds no item and touches nothing).
 // The reduction order of every output element is fixed by kernels.inc, independent of T, neighbours and threads.
 // int8 activations for 4-bit weights (an explicit option, attribute act_group > 0): act8.h, act8_kernels.inc
-// (their items replace 1. and 2., after a phase that quantizes each pair's input; same order guarantees).
+// (their items replace 1. and 2., after a phase that quantizes each distinct input row once; a union expert's h
+// rows are quantized by the gate/up item that completes them; same order guarantees).
 //
 // ISA: kernels.inc is compiled three times, as moe::avx512 (moe_avx512.cc: F, BW, DQ, VL), moe::avx2 (moe_avx2.cc:
 // AVX2, FMA, F16C) and moe::generic (moe_generic.cc, baseline flags, any CPU); the best variant the CPU runs is
@@ -283,6 +284,11 @@ static void build_routing(Job& job, const float* x, const int32_t* idx, const fl
   }
   const int P = start[E];
   job.pair_x.assign(P, nullptr);
+  // A pair's distinct input: its row of x (the pairs of one row, or of its copies, read the same), or with input
+  // scales its own scaled row.
+  job.pair_row.assign(P, -1);
+  std::vector<int> row_number(in_scale ? 0 : T, -1);
+  int rows = 0;
   if (job.lora) job.lora->pair_ad.assign(P, 0);
   if (in_scale) scaled.resize(static_cast<size_t>(P) * H);
   for (int e = 0; e < E; ++e) {
@@ -292,8 +298,12 @@ static void build_routing(Job& job, const float* x, const int32_t* idx, const fl
       if (job.lora) job.lora->pair_ad[p] = job.lora->row_id(reps[e][q].t);
       if (!in_scale) {
         job.pair_x[p] = row;
+        int& number = row_number[reps[e][q].t];
+        if (number < 0) number = rows++;
+        job.pair_row[p] = number;
         continue;
       }
+      job.pair_row[p] = rows++;
       float* dst = scaled.data() + static_cast<size_t>(p) * H;
       for (int i = 0; i < H; ++i) dst[i] = row[i] * reps[e][q].scale;
       job.pair_x[p] = dst;
@@ -411,19 +421,6 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
   const size_t nfields = job.per_expert ? nbuf / job.E : nbuf;
   if (nfields == 0 || (job.per_expert && nbuf % job.E))
     return ffi::Error::InvalidArgument("moejax native: weight buffers do not match the expert count");
-  job.field_ptr.resize(nfields * job.E);
-  for (size_t b = 0; b < nbuf; ++b) {
-    auto buf = weights.get<ffi::AnyBuffer>(b);
-    if (!buf.has_value()) return buf.error();
-    const uint8_t* base = static_cast<const uint8_t*>(buf->untyped_data());
-    if (job.per_expert) {
-      job.field_ptr[b] = base;
-    } else {
-      const size_t per = buf->size_bytes() / job.E;
-      for (int e = 0; e < job.E; ++e) job.field_ptr[b * job.E + e] = base + per * e;
-    }
-  }
-
   Act8Job act8;  // int8 activations (act8.h): act_group > 0, 4-bit formats only
   if (act_group < 0 || (act_group > 0 && !act8_format(job.fmt)))
     return ffi::Error::InvalidArgument("moejax native: act_group > 0 needs int8, int4, MXFP4 or NVFP4 weights");
@@ -433,6 +430,23 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
   build_routing(job, x.typed_data(), idx.typed_data(), weight.typed_data(),
                 has_in_scale ? in_scale.typed_data() : nullptr, scaled);
   job.slot_weight = weight.typed_data();
+  // The weights of the union experts only (per-expert buffers: at decode a few of the E · fields a call passes).
+  job.field_ptr.assign(nfields * job.E, nullptr);
+  for (size_t f = 0; f < nfields; ++f) {
+    if (job.per_expert) {
+      for (const int e : job.union_ids) {
+        auto buf = weights.get<ffi::AnyBuffer>(f * job.E + e);
+        if (!buf.has_value()) return buf.error();
+        job.field_ptr[f * job.E + e] = static_cast<const uint8_t*>(buf->untyped_data());
+      }
+      continue;
+    }
+    auto buf = weights.get<ffi::AnyBuffer>(f);
+    if (!buf.has_value()) return buf.error();
+    const uint8_t* base = static_cast<const uint8_t*>(buf->untyped_data());
+    const size_t per = buf->size_bytes() / job.E;
+    for (int e = 0; e < job.E; ++e) job.field_ptr[f * job.E + e] = base + per * e;
+  }
   const size_t P = job.pair_x.size();
   CallBufferLease buffers;
   job.h = buffers.h(P * job.I);
@@ -444,7 +458,7 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
                                    : static_cast<int>(pool.num_threads()));
   if (lora) lora->prepare(P);
   if (job.act8) {
-    act8.x.prepare(P, job.H, static_cast<int>(act_group));
+    act8.x.prepare(P, job.H, static_cast<int>(act_group), &job.pair_row);
     act8.h.prepare(P, job.I, static_cast<int>(act_group));
   }
 
@@ -452,10 +466,19 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
   const int U = static_cast<int>(job.union_ids.size());
   const int mt = static_cast<int>(max_threads);
   const int n_gu = (job.I + job.chunk_gu - 1) / job.chunk_gu;
-  if (job.act8) parallel_for(&pool, U, mt, [&](int64_t i) { act8_kernels().gate_up_inputs(job, static_cast<int>(i)); });
+  if (job.act8)
+    parallel_for(&pool, act8.x.rows(), mt, [&](int64_t i) { act8_kernels().gate_up_inputs(job, static_cast<int>(i)); });
   if (lora) parallel_for(&pool, U, mt, [&](int64_t i) { lora_kernels().gate_up_inputs(job, static_cast<int>(i)); });
-  parallel_for(&pool, static_cast<int64_t>(U) * n_gu, mt, [&](int64_t i) { k.gate_up(job, i / n_gu, i % n_gu); });
-  if (job.act8) parallel_for(&pool, U, mt, [&](int64_t i) { act8_kernels().down_inputs(job, static_cast<int>(i)); });
+  // With int8 activations the item that completes a union expert's h rows (the last of its gate/up chunks to
+  // finish) quantizes them, so the down inputs need no phase of their own (a pool round trip for little work).
+  std::unique_ptr<std::atomic<int>[]> chunks_left(job.act8 ? new std::atomic<int>[U] : nullptr);
+  for (int u = 0; u < (job.act8 ? U : 0); ++u) chunks_left[u].store(n_gu, std::memory_order_relaxed);
+  parallel_for(&pool, static_cast<int64_t>(U) * n_gu, mt, [&](int64_t i) {
+    const int u = static_cast<int>(i / n_gu);
+    k.gate_up(job, u, static_cast<int>(i % n_gu));
+    if (!job.act8 || chunks_left[u].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    for (int p = job.pair_start[u]; p < job.pair_start[u + 1]; ++p) act8_kernels().down_inputs(job, p);  // h: row p
+  });
   if (lora) parallel_for(&pool, U, mt, [&](int64_t i) { lora_kernels().down_inputs(job, static_cast<int>(i)); });
   const int n_down = (job.H + job.chunk_down - 1) / job.chunk_down;
   parallel_for(&pool, static_cast<int64_t>(U) * n_down, mt, [&](int64_t i) { k.down(job, i / n_down, i % n_down); });

@@ -129,11 +129,11 @@ struct Kernels {
 // Whether format fmt takes int8 activations (act8.h).
 static constexpr bool act8_format(int fmt) { return fmt == kInt8 || fmt == kInt4 || fmt == kMxfp4 || fmt == kNvfp4; }
 
-// The per-ISA phase items (act8_kernels.inc): quantize the pairs' x / h of union expert u; the gate/up and down
-// items (Kernels.combine is the float32 one).
+// The per-ISA phase items (act8_kernels.inc): quantize stored row i of the pairs' x / h (act8.h's Act8Rows); the
+// gate/up and down items (Kernels.combine is the float32 one).
 struct Act8Kernels {
-  void (*gate_up_inputs)(const Job&, int u);
-  void (*down_inputs)(const Job&, int u);
+  void (*gate_up_inputs)(const Job&, int i);
+  void (*down_inputs)(const Job&, int i);
   Kernels items;
 };
 
@@ -150,6 +150,7 @@ struct Job {
   // Routing, built in phase 0.
   std::vector<int> union_ids, pair_start;  // [U], [U + 1]
   std::vector<const float*> pair_x, pair_h;  // [P] the input row of each (expert, row) pair, its h row
+  std::vector<int> pair_row;               // [P] the distinct input of each pair, numbered in order of first use
   std::vector<int> slot_pair;              // [T * K] the pair of each slot, -1: contributes 0
   const float* slot_weight = nullptr;      // [T * K]
   int chunk_gu = 0, chunk_down = 0;

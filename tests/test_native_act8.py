@@ -187,6 +187,23 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_threads(name):
 
 
 @built
+def test_h_rows_finished_by_several_gate_up_items():
+    """I = 300: a union expert's gate/up in two column chunks (256 + 44 columns), its h rows quantized by whichever
+    item finishes them: against the oracle, one thread and the pool bit-identical, a row's bits as when alone."""
+    E, H, I = 3, 20, 300
+    scheme = Q.format_by_name("int8", group_size=10, activations="int8")
+    experts = Q.quantize_experts(_dense(E, H, I, seed=3), scheme)
+    x, slots = _x(4, H, seed=7), _slots(4, 2, E, seed=8)
+    d = {k: np.asarray(v, np.float64) for k, v in jax.jit(lambda e: e.dequantize())(experts).fields().items()}
+    act = ACTIVATIONS["silu"]
+    pool = np.asarray(native.routed_experts(experts, x, slots, act))
+    assert _rel_err(pool, _oracle_of(d, 10, x, slots, act)) <= TIGHT
+    np.testing.assert_array_equal(np.asarray(native.routed_experts(experts, x, slots, act, max_threads=1)), pool)
+    alone = native.routed_experts(experts, x[2:3], Slots(slots.indices[2:3], slots.out_weight[2:3]), act)
+    np.testing.assert_array_equal(np.asarray(alone)[0], pool[2])
+
+
+@built
 def test_lora_deltas_stay_float32_beside_int8_activations():
     """Adapters on the int8-activation path: the reference's LoRAExpert over the emulated projections."""
     E, H, I = 4, *FORMATS["nvfp4"][2:]

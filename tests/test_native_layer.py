@@ -167,6 +167,23 @@ def test_linear_matches_float64(portable):
 
 
 @built
+def test_linear_rows_bits_do_not_depend_on_the_batch():
+    """One and two rows (several tiles per pass over W) give the bits of the same rows in a batch of 9 (one tile
+    per pass), for every weight dtype, in both variants; columns past the last 64 and a partial last tile."""
+    rng = np.random.default_rng(1)
+    K, N = 70, 100
+    x = jnp.asarray(rng.standard_normal((9, K)).astype(np.float32))
+    b = jnp.asarray(rng.standard_normal(N).astype(np.float32))
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        w = jnp.asarray(rng.standard_normal((K, N)), dtype)
+        for portable in (False, True):
+            batch = np.asarray(native_ops.linear(x, w, b, portable=portable))
+            for rows in (slice(3, 4), slice(5, 7)):
+                got = native_ops.linear(x[rows], w, b, portable=portable)
+                np.testing.assert_array_equal(np.asarray(got), batch[rows], f"{dtype.__name__} {portable=} {rows}")
+
+
+@built
 def test_router_reads_a_bfloat16_kernel_as_stored():
     """float32 x with a bfloat16 router kernel (a quantized checkpoint's): the native router reads the kernel as
     stored, with the logits of the kernel widened first bit for bit, and no float32 copy of it in the program."""
