@@ -97,11 +97,6 @@ static inline void wbf16_quad_to_f32(const uint8_t* p0, const uint8_t* p1, const
 }
 // The 4 floats at p in every 128-bit lane.
 static inline W wbroadcast4(const float* p) { return _mm512_broadcast_f32x4(_mm_loadu_ps(p)); }
-// Per 128-bit lane: [e0 o0 e1 o1] and [e2 o2 e3 o3] (the parity split's inverse).
-static inline void winterleave(W e, W o, W& lo, W& hi) {
-  lo = _mm512_unpacklo_ps(e, o);
-  hi = _mm512_unpackhi_ps(e, o);
-}
 static inline W wf16_to_f32(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
