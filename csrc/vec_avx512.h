@@ -82,6 +82,21 @@ static inline W wbf16_to_f32(const uint8_t* p) {
   const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
 }
+// Four rows' 8 bfloat16s each (at p0..p3), one row per 128-bit lane, split by parity: each 32-bit
+// lane holds inputs 2k (low half) and 2k + 1 (high half), so even = lane << 16 and odd = lane with its low half
+// cleared give lane group g's inputs 0, 2, 4, 6 and 1, 3, 5, 7 as float32 (exact), without a cross-lane widening
+// (the four loads go into one register by inserts, which run beside the FMAs on either vector port).
+static inline void wbf16_quad_to_f32(const uint8_t* p0, const uint8_t* p1, const uint8_t* p2, const uint8_t* p3,
+                                     W& even, W& odd) {
+  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0)));
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p2)), 2);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p3)), 3);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+// The 4 floats at p in every 128-bit lane.
+static inline W wbroadcast4(const float* p) { return _mm512_broadcast_f32x4(_mm_loadu_ps(p)); }
 static inline W wf16_to_f32(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }

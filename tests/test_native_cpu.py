@@ -447,20 +447,23 @@ def _every_code(experts, seed=0):
 
 @built
 @pytest.mark.skipif(not _has_avx512(), reason="this CPU has no AVX-512 (F, BW, DQ, VL)")
-@pytest.mark.parametrize("fmt", [*QUANTIZED, "int4_g32_asym_odd", "float32_in_out", "bfloat16_in_out", "fused"])
+@pytest.mark.parametrize(
+    "fmt", [*QUANTIZED, "int4_g32_asym_odd", "float32_in_out", "bfloat16_in_out", "fused", "fused_bfloat16"]
+)
 def test_avx512_variant_equals_the_avx2_variant_bit_for_bit(fmt):
     """The AVX-512 kernels take 16 lanes per instruction: in the [in, out] one-row kernel 16 columns (lanes are
     columns, each lane the AVX2 variant's chain), in the many-row [out, in] kernel two outputs' 8-lane chains side
-    by side. Every format, decode (one row), a small batch and a prefill (T=40: 16 rows per expert, the packed
-    tiles, odd output counts 299 and 601 in the dense ones), equal to the AVX2 variant's bits and close to the
-    oracle. Sizes with odd vector counts where the format allows them (a last 8-column vector after the 16-column
-    ones)."""
+    by side, in the few-row bfloat16 [out, in] kernel four outputs' chains split by parity. Every format, decode
+    (one row), a small batch and a prefill (T=40: 16 rows per expert, the packed tiles, odd output counts 299 and
+    601 in the dense ones), equal to the AVX2 variant's bits and close to the oracle. Sizes with odd vector counts
+    where the format allows them (a last 8-column vector after the 16-column ones)."""
     E, K = 5, 2
-    if fmt in ("float32_in_out", "bfloat16_in_out", "fused"):
+    if fmt in ("float32_in_out", "bfloat16_in_out", "fused", "fused_bfloat16"):
         H, I = 601, 299
-        experts = _dense(E, H, I, "bfloat16" if fmt == "bfloat16_in_out" else "float32")
-        experts = _fused_per_expert(experts) if fmt == "fused" else experts
-        reference = _unfuse(experts) if fmt == "fused" else experts
+        experts = _dense(E, H, I, "bfloat16" if "bfloat16" in fmt else "float32")
+        fused = fmt.startswith("fused")
+        experts = _fused_per_expert(experts) if fused else experts
+        reference = _unfuse(experts) if fused else experts
     else:
         H, I = (600, 328) if fmt in ("fp8_block", "int8_channel_asym") else (608, 352)
         if fmt == "int4_g32_asym_odd":
