@@ -174,7 +174,7 @@ def test_wide_layers_take_the_streaming_products(layout, monkeypatch):
     """H = 1024 (an [out, in] expert's rows 4 KiB apart, read in place in shallower blocks) and 2I = 320 (more than
     256 weight rows: the transposed products stream whole rows of the weights, prefetched): the reference's
     gradients, and the same bits with AVX2 as with AVX-512 and on one thread as on the pool."""
-    E, H, I, T, K = 2, 1024, 160, 40, 1
+    E, H, I, T, K = 2, 1024, 160, 200, 1  # about 100 rows an expert: B read in place beyond 64 rows
     experts = _experts(E, H, I, layout=layout)
     x, slots, act, g = rows(T, H, 1), _slots(T, K, E, 2), ACTIVATIONS["silu"], rows(T, H, 3)
     _assert_close(_grads("native", experts, x, slots, act, g), _reference_grads(experts, x, slots, act, g), 2e-4)
