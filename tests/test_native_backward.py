@@ -170,6 +170,25 @@ def test_bits_are_the_same_run_to_run_and_at_any_thread_count(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_wide_layers_take_the_streaming_products(layout, monkeypatch):
+    """H = 1024 (an [out, in] expert's rows 4 KiB apart, read in place in shallower blocks) and 2I = 320 (more than
+    256 weight rows: the transposed products stream whole rows of the weights, prefetched): the reference's
+    gradients, and the same bits with AVX2 as with AVX-512 and on one thread as on the pool."""
+    E, H, I, T, K = 2, 1024, 160, 200, 1  # about 100 rows an expert: B read in place beyond 64 rows
+    experts = _experts(E, H, I, layout=layout)
+    x, slots, act, g = rows(T, H, 1), _slots(T, K, E, 2), ACTIVATIONS["silu"], rows(T, H, 3)
+    _assert_close(_grads("native", experts, x, slots, act, g), _reference_grads(experts, x, slots, act, g), 2e-4)
+    results = {}
+    for isa, threads in (("avx512", 0), ("avx512", 1), ("avx2", 0)):
+        monkeypatch.setenv("MOEJAX_NATIVE_ISA", isa)
+        results[isa, threads] = _bits(
+            (_backward(experts, x, slots, act, g, threads, saved=True), _train_forward(experts, x, slots, act, threads))
+        )
+    first = results["avx512", 0]
+    assert all(all(np.array_equal(a, b) for a, b in zip(first, r, strict=True)) for r in results.values())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_backward_reads_the_saved_preactivations(layout):
     """The training forward's residual holds each pair's gate|up: the backward reading it gives the recomputing
     backward's bits, and a stale residual (another x's) changes the input and weight gradients."""
