@@ -2,7 +2,7 @@
 
     python benchmarks/native_kernels.py [--csrc csrc [--csrc /tmp/old/csrc ...]] [--formats int8 int4 ...]
         [--threads 1 2] [--rounds 6] [--reps 5] [-E 48] [-T 1] [--group 128] [--cpu-time] [--phases 7] [--read]
-        [--isa avx2 avx512] [--prefetch-f32 auto|on|off]
+        [--isa avx2 avx512] [--prefetch-f32 auto|on|off] [--json [PATH]]
 
 Compiles the harness once per csrc tree (g++, the package's flags; libraries cached under /tmp/moejax_kernels),
 builds one model per format (Qwen3-30B-A3B's experts: H=2048, I=768, E=48 by default: more bytes than the L3, so
@@ -14,7 +14,8 @@ runs --reps calls; the minimum over all is printed with its GMAC/s and GB/s per 
 float32 (the fused [out, in] layout) of the same tree and thread count. --cpu-time (or --cpu): CPU time instead
 of the wall clock (one thread: the thread's clock, far less sensitive to other load on the machine; more threads:
 the process's). --read: the read ceiling (GB/s of a 4-accumulator float32 sum of float32 T=1's 151 MB, a fresh
-region per rep).
+region per rep); each format's GB/s is then also given as a fraction of it (`of_read`). --json: a results file
+(native_kernels_decode at T=1, else native_kernels_prefill; the default path in benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -24,9 +25,13 @@ import ctypes
 import hashlib
 import pathlib
 import subprocess
+import sys
 import sysconfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import report  # noqa: E402
+
 HARNESS = ROOT / "benchmarks" / "native_kernels.cc"
 FORMATS = {"float32": 3, "bf16": 4, "int8": 6, "int4": 7, "fp8": 8, "mxfp4": 9, "nvfp4": 10, "f32_inout": 0}
 # int8 activations (csrc/act8.h) of a weight format: name -> (weight format, None: the int group, else the group)
@@ -94,6 +99,8 @@ def main() -> None:
     parser.add_argument(
         "--prefetch-f32", default="auto", choices=["auto", "on", "off"], help="float32 software prefetch (moe_job.h)"
     )
+    parser.add_argument("--json", nargs="?", const="", default=None, help="write a results file")
+    parser.add_argument("--note", default="", help="a sentence added to the results file's notes")
     args = parser.parse_args()
     H, I = args.H, args.I
     trees = [pathlib.Path(c).resolve() for c in (args.csrc or [str(ROOT / "csrc")])]
@@ -120,6 +127,7 @@ def main() -> None:
     shape = f"T={args.T}, K={K} of E={args.E}, H={H}, I={I}, int group {args.group}"
     print(f"{shape}; min over {args.rounds} x {args.reps} calls, phases {args.phases}")
     print(f"{'format':10s} thr {'ms':>7s} {'GMAC/s/thr':>10s} {'GB/s/thr':>9s} {'/f32':>5s}  isa tree")
+    rows = []
     for f in args.formats:
         nbytes = min(args.T * K, args.E) * first.kb_expert_bytes(models[f])  # about: each union expert once
         for th in args.threads:
@@ -129,13 +137,34 @@ def main() -> None:
                 ratio = f"{s / ref:5.2f}" if ref else "    -"
                 rates = f"{macs / s / th / 1e9:10.2f} {nbytes / s / th / 1e9:9.2f}"
                 print(f"{f:10s} {th:3d} {s * 1e3:7.2f} {rates} {ratio}  {name}")
+                isa, tree = name.split(" ", 1)
+                rows.append({"format": f, "threads": th})
+                rows[-1] |= ({"isa": isa} if len(args.isa) > 1 else {}) | ({"tree": tree} if len(trees) > 1 else {})
+                rows[-1] |= {"ms": round(s * 1e3, 3), "GMAC/s/thread": round(macs / s / th / 1e9, 2)}
+                rows[-1] |= {"GB/s/thread": round(nbytes / s / th / 1e9, 2), "of_f32": ref and round(s / ref, 2)}
     for m in models.values():
         first.kb_free(m)
+    ceiling = {}
     if args.read:
         nbytes = K * 3 * H * I * 4  # the float32 call's weight bytes (151 MB), a fresh region of 604 MB per rep
         for th in args.threads:
-            s = first.kb_read(nbytes, 4 * nbytes, th, 12)
-            print(f"read ceiling, {th} thread(s): {nbytes / s / 1e9:.2f} GB/s ({nbytes / s / th / 1e9:.2f} per thread)")
+            ceiling[th] = nbytes / first.kb_read(nbytes, 4 * nbytes, th, 12) / th  # per thread
+            total, per = ceiling[th] * th / 1e9, ceiling[th] / 1e9
+            print(f"read ceiling, {th} thread(s): {total:.2f} GB/s ({per:.2f} per thread)")
+        for row in rows:
+            row["of_read"] = round(row["GB/s/thread"] * 1e9 / ceiling[row["threads"]], 2)
+    if args.json is not None:
+        timed = "CPU time" if args.cpu_time else "wall-clock"
+        read = "".join(f" Read ceiling on {th} thread(s): {c * th / 1e9:.2f} GB/s." for th, c in ceiling.items())
+        notes = (
+            f"Kernels alone (no XLA), {shape}, phases {args.phases}; min {timed} ms over {args.rounds} x {args.reps} "
+            "calls; GB/s per thread over the bytes each format stores (each union expert once); of_f32: the time over "
+            "float32's (fused [out, in]); of_read: GB/s over the read ceiling measured in the same run."
+            + read
+            + (f" {args.note}" if args.note else "")
+        )
+        benchmark = "native_kernels_decode" if args.T == 1 else "native_kernels_prefill"
+        report.write(benchmark, rows, args.json or None, notes=notes)
 
 
 if __name__ == "__main__":

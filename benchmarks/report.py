@@ -171,16 +171,71 @@ def render_with(runs: list[dict], max_rows: int) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+# Intel's (family 6) model numbers of the server cores these benchmarks meet (cloud VMs' hosts).
+INTEL_CORES = {85: "Skylake / Cascade Lake", 106: "Ice Lake", 143: "Sapphire Rapids", 207: "Emerald Rapids",
+               173: "Granite Rapids"}  # fmt: skip
+
+
+def microarch(vendor: str, family: int, model: int) -> str | None:
+    """The core's microarchitecture from CPUID's vendor, family and model, where known."""
+    if vendor == "GenuineIntel" and family == 6:
+        return INTEL_CORES.get(model)
+    if vendor == "AuthenticAMD" and family == 25:  # Zen 4: Genoa, Raphael / Phoenix, Bergamo / Siena
+        return "Zen 4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF else "Zen 3"
+    if vendor == "AuthenticAMD":
+        return {23: "Zen 2", 26: "Zen 5"}.get(family)
+    return None
+
+
+AVX512 = ("F", "BW", "DQ", "VL", "VBMI", "VNNI", "BF16", "FP16")  # as /proc/cpuinfo's avx512<x> / avx512_<x> flags
+
+
+def describe_cpu(cpuinfo: str, l3_bytes: int | None = None) -> str:
+    """A results file's CPU from /proc/cpuinfo's text: brand, microarchitecture, VM, the ISA extensions the native
+    kernels choose between and the L3, e.g. "Intel Xeon (Emerald Rapids) VM (AVX-512 F/BW/DQ/VL/VBMI/VNNI/BF16/FP16,
+    no AMX exposed; L3 260 MiB)". A VM's model name ("Intel(R) Xeon(R) Processor") says too little to compare runs."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor only
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    vendor = fields.get("vendor_id", "")
+    brand = {"GenuineIntel": "Intel Xeon", "AuthenticAMD": "AMD EPYC"}.get(vendor)
+    name = fields.get("model name", platform.machine())
+    if brand is None or ("Xeon" not in name and "EPYC" not in name):
+        brand = name
+    family, model = int(fields.get("cpu family", "0") or 0), int(fields.get("model", "0") or 0)
+    arch = microarch(vendor, family, model)
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        have = [x for x in AVX512 if f"avx512{x.lower()}" in flags or f"avx512_{x.lower()}" in flags]
+        isa = "AVX-512 " + "/".join(have) + (", AMX" if "amx_tile" in flags else ", no AMX exposed")
+    else:
+        isa = ", ".join(x.upper() for x in ("avx2", "fma", "f16c") if x in flags) + ", no AVX-512"
+    l3 = f"; L3 {l3_bytes >> 20} MiB" if l3_bytes else ""
+    vm = " VM" if "hypervisor" in flags else ""
+    return f"{brand}{f' ({arch})' if arch else ''}{vm} ({isa}{l3})"
+
+
+def l3_bytes() -> int | None:
+    """This machine's L3 size (Linux sysfs), or None."""
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "level").read_text().strip() == "3":
+                size = (index / "size").read_text().strip()
+                return int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20}[size[-1]] if size[-1] in "KM" else int(size)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def machine() -> dict:
     """This machine, as a results file names it."""
-    cpu = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        cpu = describe_cpu(Path("/proc/cpuinfo").read_text(), l3_bytes())
     except OSError:
-        pass
+        cpu = platform.processor() or platform.machine()
     try:
         from moejax.backends import native
 

@@ -52,6 +52,35 @@ def test_report_shows_the_newest_run_per_benchmark_and_machine(report, tmp_path)
     assert "9.5" not in page
 
 
+INTEL_VM = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 207
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: avx2 fma f16c avx512f avx512dq avx512bw avx512vl avx512vbmi avx512_vnni avx512_bf16 avx512_fp16 hypervisor
+
+processor\t: 1
+model name\t: not the first processor
+"""
+ZEN3 = """vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu avx avx2 fma f16c hypervisor
+"""
+
+
+def test_results_name_the_machine_from_cpuinfo(report):
+    """A VM's "Intel(R) Xeon(R) Processor" says too little: the microarchitecture, the ISA extensions the kernels
+    choose between and the L3 go into the results' machine."""
+    assert report.describe_cpu(INTEL_VM, 260 << 20) == (
+        "Intel Xeon (Emerald Rapids) VM (AVX-512 F/BW/DQ/VL/VBMI/VNNI/BF16/FP16, no AMX exposed; L3 260 MiB)"
+    )
+    assert report.describe_cpu(INTEL_VM.replace("avx512_fp16", "avx512_fp16 amx_tile"), None).endswith("FP16, AMX)")
+    assert report.describe_cpu(ZEN3, 32 << 20) == "AMD EPYC (Zen 3) VM (AVX2, FMA, F16C, no AVX-512; L3 32 MiB)"
+    assert report.describe_cpu(ZEN3.replace(": 1\n", ": 17\n"), None).startswith("AMD EPYC (Zen 4) VM")
+
+
 def test_report_shows_fewer_rows_rather_than_a_longer_page(report, tmp_path):
     machine = {"cpu": "a cpu", "isa": "avx2", "cores": 2}
     for b in range(24):
