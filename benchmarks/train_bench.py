@@ -19,7 +19,8 @@ library's); `--json PATH` then merges its fields into PATH's rows (by case), and
 sides are there. `--recompute` runs moejax's native backward without the saved pre-activations
 (`moejax.backends.native.save_residuals(False)`), for an A/B in two processes. `--keep-freed-memory` makes malloc
 keep freed memory in the process (`moejax.backends.native.keep_freed_memory()`: each step's fresh gradient buffers
-then reuse the last step's pages instead of faulting in anew), for every library of the process alike.
+then reuse the last step's pages instead of faulting in anew), for every library of the process alike. Both options
+name their rows ("T=512 keep_freed_memory"), so a file holds them beside the default rows.
 
     pip install -e ".[peft]"                          # torch (CPU), transformers, peft
     JAX_PLATFORMS=cpu python benchmarks/train_bench.py --json   # T=512 and 2048, median of 3; benchmarks/results/
@@ -302,7 +303,9 @@ def main() -> None:
     for T in args.T or ((64, 256) if args.quick else (512, 2048)):
         x = jax.random.normal(jax.random.key(1), (T, cfg.hidden_size), jnp.float32)
         probe = jax.random.normal(jax.random.key(2), (T, cfg.hidden_size), jnp.float32)
-        row, skipped = {"case": f"T={T}"}, {}
+        # The options in the case's name: a run with them merged into a file keeps the default run's rows.
+        options = " recomputed" * args.recompute + " keep_freed_memory" * args.keep_freed_memory
+        row, skipped = {"case": f"T={T}{options}"}, {}
         for library in libraries:
             fields, more_skipped = measure(library, layer, params, lora, x, probe, args, backends)
             row |= fields
