@@ -319,12 +319,11 @@ def main() -> None:
         from report import write  # benchmarks/report.py: the results files' one schema
 
         size = " (tiny)" if args.quick else ""
-        backward = "recomputed" if args.recompute else "saved"
-        notes = (
-            f"Qwen3-30B-A3B layer{size}, float32; LoRA r={RANK}; medians of {args.repeats}; pre-activations {backward}"
+        notes = (  # the same for every run merged into a file: the options are in the rows' names
+            f"Qwen3-30B-A3B layer{size}, float32; LoRA r={RANK}; medians of {args.repeats}; pre-activations saved "
+            "(rows named recomputed: recomputed in the backward; keep_freed_memory: malloc keeps freed memory, "
+            "native.keep_freed_memory)"
         )
-        if args.keep_freed_memory:
-            notes += "; malloc keeps freed memory (native.keep_freed_memory)"
         path = Path(args.json) if args.json else None
         write("train_bench", merged(path, rows) if path else rows, path, notes)
 
