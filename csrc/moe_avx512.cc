@@ -4,8 +4,10 @@
 // at load where the CPU has all four extensions (cpu_features.h).
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
 // GCC 12's _mm512_undefined_* self-initialize (`__m512 __Y = __Y`), so every AVX-512 conversion inlined here
-// warns "may be used uninitialized" (GCC bug 105593, fixed in 13): no value is ever read uninitialized.
+// warns "may be used uninitialized" (GCC bug 105593, fixed in 13), or "is used uninitialized" where the argument
+// comes from a masked load: no value is ever read uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #include "moe_job.h"
 #include "target.h"

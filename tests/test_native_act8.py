@@ -169,6 +169,34 @@ def test_kernel_matches_the_emulated_reference(name, act_name):
 
 
 @built
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+def test_every_scale_byte_decodes_alike_in_every_isa(name):
+    """The down projection's scale bytes set to every value 0..255 (NaN, subnormal e4m3, e8m0's 0 and 254
+    included), one byte per (expert, output column) across all its groups, each row routed to one expert: every ISA
+    gives the same bits (the AVX-512 variant decodes 16 scale bytes per vector, the others one by one)."""
+    E = 6
+    H = FORMATS[name][2]
+    arrays = _experts(name, E).fields()
+    shape = arrays["down_scale"].shape  # [E, I / group, H]
+    byte = (np.arange(E)[:, None] * H + np.arange(H)) % 256  # [E, H]
+    assert len(np.unique(byte)) == 256
+    scale = np.broadcast_to(byte[:, None, :], shape).astype(np.uint8)
+    arrays["down_scale"] = jnp.asarray(scale.view(arrays["down_scale"].dtype))
+    experts = type(_experts(name, E))(**arrays)
+    x = _x(E, H)
+    slots = Slots(jnp.arange(E, dtype=jnp.int32)[:, None], jnp.ones((E, 1), jnp.float32))
+    best = np.asarray(native.routed_experts(experts, x, slots, ACTIVATIONS["silu"]))
+    assert 0.5 < np.isfinite(best).mean() < 1  # NaN scales give NaN columns, the others values
+    try:
+        for isa in ("avx2", "generic"):
+            if _isa(isa) == isa:
+                got = native.routed_experts(experts, x, slots, ACTIVATIONS["silu"])
+                np.testing.assert_array_equal(np.asarray(got), best, isa)
+    finally:
+        _isa("best")
+
+
+@built
 @pytest.mark.parametrize("name", ["int4_channel_asym", "int8_g10_asym"])
 def test_a_rows_bits_do_not_depend_on_the_batch_or_threads(name):
     """Row 0 alone, then at positions 0 / 4 / 8 of batches with other rows, on 1 thread and on all of them."""
