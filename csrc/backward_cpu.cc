@@ -51,7 +51,8 @@ namespace bwd {
 namespace generic {
 using namespace vec_generic;
 using F = V;
-constexpr int L = 8, kNV = 3, kNarrowRows = 4;
+constexpr int L = 8, kNV = 3;
+constexpr int kStripRows[kNV] = {4, 4, 4};
 static inline F fzero() { return vzero(); }
 static inline F fset1(float a) { return vset1(a); }
 static inline F fload(const float* p) { return vload(p); }
@@ -68,7 +69,8 @@ MOE_TARGET_PUSH(MOE_AVX2_TARGET)
 namespace avx2 {
 using namespace vec_avx2;
 using F = V;
-constexpr int L = 8, kNV = 3, kNarrowRows = 4;  // 12 accumulators, 3 loads, a broadcast: the 16 registers
+constexpr int L = 8, kNV = 3;
+constexpr int kStripRows[kNV] = {4, 4, 4};  // up to 12 accumulators, 3 loads, a broadcast: the 16 registers
 static inline F fzero() { return vzero(); }
 static inline F fset1(float a) { return vset1(a); }
 static inline F fload(const float* p) { return vload(p); }
@@ -88,7 +90,11 @@ namespace avx512 {
 using namespace vec_avx2;
 using namespace vec_avx512;
 using F = W;
-constexpr int L = 16, kNV = 4, kNarrowRows = 8;  // 16 accumulators of the 32 registers
+constexpr int L = 16, kNV = 4;
+// Up to 24 accumulators of the 32 registers; 6 x 4 vectors read a third less of B from cache than 4 x 4 (the
+// weight gradients and the input gradient at T=2048 ~15% faster), 8 rows x 1 to 3 vectors (the transposed
+// products' columns are an expert's rows) ran as fast as 12 x 1 or 2.
+constexpr int kStripRows[kNV] = {8, 8, 8, 6};
 static inline F fzero() { return wzero(); }
 static inline F fset1(float a) { return wset1(a); }
 static inline F fload(const float* p) { return wload(p); }

@@ -85,6 +85,21 @@ def test_experts_with_more_rows_than_a_chunk(layout):
     )
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("layout", ["stacked", "stacked_fused"])
+def test_products_whose_columns_end_inside_a_vector(layout, isa, monkeypatch):
+    """About 37 rows an expert (the transposed products' columns: 2 vectors and 5 lanes of 16, 4 and 5 of 8), H
+    and I not multiples of 8: the partial last vector runs in its panel's tile, loading (the stacked layout's
+    summed input gradient) and storing only its lanes; the reference's gradients with either variant."""
+    monkeypatch.setenv("MOEJAX_NATIVE_ISA", isa)
+    T, H, I, E, K = 111, 37, 19, 3, 1
+    experts = _experts(E, H, I, bias=True, layout=layout)
+    x, slots, act, probe = rows(T, H, 1), _slots(T, K, E, 2), ACTIVATIONS["silu"], rows(T, H, 3)
+    _assert_close(
+        _grads("native", experts, x, slots, act, probe), _reference_grads(experts, x, slots, act, probe), 2e-4
+    )
+
+
 def test_the_native_backward_runs_under_native_and_auto():
     """The grad program calls the C++ backward where the native forward runs (under "auto" beside the other
     candidates' program for other platforms, chosen while lowering; under "native" alone: no grouped JAX loop)."""
