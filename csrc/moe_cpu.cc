@@ -314,14 +314,10 @@ static void build_routing(Job& job, const float* x, const int32_t* idx, const fl
     if (slot_rep[s] >= 0) job.slot_pair[s] = start[idx[s]] + slot_rep[s];
 }
 
-// Column chunk widths: [out, in] weights 16 outputs (16 weight rows per projection); [in, out] weights a few
-// strips of kStrip columns (small enough that a layer's items keep every thread busy).
+// Column chunk widths of [in, out] weights: a few strips of kStrip columns (small enough that a layer's items keep
+// every thread busy); set_chunks sizes the [out, in] weights' items.
 static int chunk_width(int fmt) {
   switch (fmt) {
-    case kFusedF32:
-    case kFusedBF16:
-    case kFusedF16:
-      return 16;
     case kDenseF32:
       return 128;
     case kDenseBF16:
@@ -334,10 +330,12 @@ static int chunk_width(int fmt) {
 
 // The column chunks of a call's items, once its routing is known (threads: the threads that take items). Widths
 // never change a value's bits (each column's chain is the same in any chunk).
-//  * Dense [out, in] weights with many rows per union expert (prefill: on average >= 8): the widest items
-//    (multiples of 16 outputs, up to a whole projection) that still give every thread >= 8 items: the kernel packs
-//    an item's input rows once (from memory at large T: a cost per item) and prefetches each next tile
-//    inside it (a tile that comes cold from memory costs about as much as computing it).
+//  * Dense [out, in] weights: the widest items (multiples of 16 outputs, up to a whole projection) that still give
+//    every thread >= 8 items. With many rows per union expert (prefill) the kernel packs an item's input rows once
+//    (from memory at large T: a cost per item) and prefetches each next tile inside it (a tile that comes cold
+//    from memory costs about as much as computing it); with a row or a few (decode) an item's fixed costs (the
+//    hand-out, the first lines' latency, the prefetch's restart) are paid per item: 16-output items at one token
+//    (1024 down items of 8 KiB for 8 experts of H = 2048, I = 256) took 1.25x the step's time in bfloat16.
 //  * Decode ([in, out] weights, every union expert one row, float32 activations): the widest chunks (multiples of
 //    64 columns) that still give every thread two items per phase, so the one-row kernel (inout_row1) reads whole
 //    weight rows, one address-ordered stream per projection, which the prefetchers follow far better than
@@ -345,10 +343,9 @@ static int chunk_width(int fmt) {
 //  * Otherwise chunk_width.
 static void set_chunks(Job& job, int threads) {
   job.chunk_gu = job.chunk_down = chunk_width(job.fmt);
-  const int U = static_cast<int>(job.union_ids.size()), P = static_cast<int>(job.pair_x.size());
+  const int U = static_cast<int>(job.union_ids.size());
   if (U == 0) return;
   if (job.fmt == kFusedF32 || job.fmt == kFusedBF16 || job.fmt == kFusedF16) {
-    if (P < 8 * U) return;
     auto wide = [&](int n_out) {
       int w = (n_out + 15) / 16 * 16;
       while (w > 16 && static_cast<int64_t>(U) * ((n_out + w - 1) / w) < 8 * static_cast<int64_t>(threads))
