@@ -371,6 +371,19 @@ static const LoRAKernels& lora_kernels() { return *g_tables.load(std::memory_ord
 // The int8-activation phase items of the chosen ISA (act8_kernels.inc).
 static const Act8Kernels& act8_kernels() { return *g_tables.load(std::memory_order_relaxed)->act8; }
 
+// The progress of one union expert through a call's items: each level is reached by one item, after the level
+// before it (a release store; the items that need it wait with an acquire load).
+struct UnionProgress {
+  enum Level : int { kGateUpInputs = 1, kH = 2, kDownInputs = 3 };
+  std::atomic<int> level{0};
+  std::atomic<int> chunks_left{0};  // gate/up chunks not yet done
+
+  void reach(int l) { level.store(l, std::memory_order_release); }
+  void wait(int l) const {
+    wait_until([&] { return level.load(std::memory_order_acquire) >= l; });
+  }
+};
+
 // The routed experts of one call (MoeExpertsCall), with the adapters of `lora` when it is not null.
 static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
                              ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> in_scale,
@@ -463,25 +476,65 @@ static ffi::Error RunExperts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
   const int U = static_cast<int>(job.union_ids.size());
   const int mt = static_cast<int>(max_threads);
   const int n_gu = (job.I + job.chunk_gu - 1) / job.chunk_gu;
-  if (job.act8)
-    parallel_for(&pool, act8.x.rows(), mt, [&](int64_t i) { act8_kernels().gate_up_inputs(job, static_cast<int>(i)); });
-  if (lora) parallel_for(&pool, U, mt, [&](int64_t i) { lora_kernels().gate_up_inputs(job, static_cast<int>(i)); });
-  // With int8 activations the item that completes a union expert's h rows (the last of its gate/up chunks to
-  // finish) quantizes them, so the down inputs need no phase of their own (a pool round trip for little work).
-  std::unique_ptr<std::atomic<int>[]> chunks_left(job.act8 ? new std::atomic<int>[U] : nullptr);
-  for (int u = 0; u < (job.act8 ? U : 0); ++u) chunks_left[u].store(n_gu, std::memory_order_relaxed);
-  parallel_for(&pool, static_cast<int64_t>(U) * n_gu, mt, [&](int64_t i) {
-    const int u = static_cast<int>(i / n_gu);
-    k.gate_up(job, u, static_cast<int>(i % n_gu));
-    if (!job.act8 || chunks_left[u].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-    for (int p = job.pair_start[u]; p < job.pair_start[u + 1]; ++p) act8_kernels().down_inputs(job, p);  // h: row p
-  });
-  if (lora) parallel_for(&pool, U, mt, [&](int64_t i) { lora_kernels().down_inputs(job, static_cast<int>(i)); });
   const int n_down = (job.H + job.chunk_down - 1) / job.chunk_down;
-  parallel_for(&pool, static_cast<int64_t>(U) * n_down, mt, [&](int64_t i) { k.down(job, i / n_down, i % n_down); });
   constexpr int kRowsPerItem = 8;
   const int n_rows = (job.T + kRowsPerItem - 1) / kRowsPerItem;
-  parallel_for(&pool, n_rows, mt, [&](int64_t i) {
+  // One pool dispatch per call, its items in the order of the phases: the act8 input rows, the LoRA gate/up
+  // inputs, the gate/up chunks, the LoRA down inputs, the down chunks, the combine rows. Items are handed out in
+  // index order, so an item whose inputs are not ready waits only for items already taken by running threads (no
+  // deadlock), and a union expert's down chunks start once its own h rows are done: a dispatch per phase (the
+  // helpers' wake-up, the idle tail of each phase's last item) cost a decode step more than the work it ordered.
+  const int64_t n_in = job.act8 ? act8.x.rows() : 0, n_lora = lora ? U : 0;
+  const int64_t n_gu_items = static_cast<int64_t>(U) * n_gu, n_down_items = static_cast<int64_t>(U) * n_down;
+  std::atomic<int64_t> inputs_left{n_in}, downs_left{n_down_items};
+  std::unique_ptr<UnionProgress[]> progress(new UnionProgress[U]);
+  for (int u = 0; u < U; ++u) {
+    progress[u].level.store(lora ? 0 : UnionProgress::kGateUpInputs, std::memory_order_relaxed);
+    progress[u].chunks_left.store(n_gu, std::memory_order_relaxed);
+  }
+  const int64_t n_items = n_in + 2 * n_lora + n_gu_items + n_down_items + n_rows;
+  parallel_for(&pool, n_items, mt, [&](int64_t i) {
+    if (i < n_in) {
+      act8_kernels().gate_up_inputs(job, static_cast<int>(i));
+      inputs_left.fetch_sub(1, std::memory_order_release);
+      return;
+    }
+    i -= n_in;
+    if (i < n_lora) {
+      lora_kernels().gate_up_inputs(job, static_cast<int>(i));
+      progress[i].reach(UnionProgress::kGateUpInputs);
+      return;
+    }
+    i -= n_lora;
+    if (i < n_gu_items) {
+      const int u = static_cast<int>(i / n_gu);
+      wait_until([&] { return inputs_left.load(std::memory_order_acquire) == 0; });
+      progress[u].wait(UnionProgress::kGateUpInputs);
+      k.gate_up(job, u, static_cast<int>(i % n_gu));
+      if (progress[u].chunks_left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+      // The item that completes a union expert's h rows quantizes them for int8 activations.
+      if (job.act8)
+        for (int p = job.pair_start[u]; p < job.pair_start[u + 1]; ++p) act8_kernels().down_inputs(job, p);
+      progress[u].reach(lora ? UnionProgress::kH : UnionProgress::kDownInputs);
+      return;
+    }
+    i -= n_gu_items;
+    if (i < n_lora) {
+      progress[i].wait(UnionProgress::kH);
+      lora_kernels().down_inputs(job, static_cast<int>(i));
+      progress[i].reach(UnionProgress::kDownInputs);
+      return;
+    }
+    i -= n_lora;
+    if (i < n_down_items) {
+      const int u = static_cast<int>(i / n_down);
+      progress[u].wait(UnionProgress::kDownInputs);
+      k.down(job, u, static_cast<int>(i % n_down));
+      downs_left.fetch_sub(1, std::memory_order_release);
+      return;
+    }
+    i -= n_down_items;
+    wait_until([&] { return downs_left.load(std::memory_order_acquire) == 0; });
     const int t0 = static_cast<int>(i) * kRowsPerItem;
     k.combine(job, t0, std::min(job.T, t0 + kRowsPerItem));
   });

@@ -3,6 +3,8 @@
 //
 // The caller works too and then waits only for items already taken: a scheduled task may start late or never
 // before the call ends, and one that starts late finds no item and touches nothing but the shared state it holds.
+// Items are taken in index order, so an item may wait (wait_until) for the result of a lower-numbered one: that one
+// is already held by a running thread, and the chain of such waits ends at an item that waits for nothing.
 #pragma once
 
 #include <algorithm>
@@ -30,6 +32,12 @@ struct ParallelState {
     }
   }
 };
+
+// Spins until ready() (a load with acquire order) holds: the wait of an item for an earlier item's result.
+template <class Ready>
+inline void wait_until(const Ready& ready) {
+  while (!ready()) std::this_thread::yield();
+}
 
 // fn(0..n-1) on the pool's threads and the calling thread; returns when all n have run. max_threads > 0: at most
 // that many threads, the caller's included.
