@@ -2,7 +2,12 @@
 pool cost more than it saved inside a tiny model's decode loop), large ones on the whole pool; the bits do not
 depend on it."""
 
+import os
 import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -74,3 +79,46 @@ def test_auto_keeps_the_native_kernels_for_a_tiny_layer(T):
     params = jax.eval_shape(lambda: moejax.init_params(cfg, jax.random.key(0)))
     x = jax.ShapeDtypeStruct((T, 1, 16), jnp.float32)
     assert moejax.chosen_impl(params, x, cfg, platform="cpu") == "native"
+
+
+def _pool_sized_layer():
+    """An awkward-sized layer whose forward of 512 rows streams enough weights for the pool (48 MB), its inputs,
+    and the forward."""
+    cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=72, num_experts=12, top_k=4, intermediate_size=28)
+    params = moejax.init_params(cfg, jax.random.key(1), layout="stacked")
+    xs = [jax.random.normal(jax.random.key(10 + i), (512, 72)) for i in range(4)]
+    return params, xs, jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl="native"))
+
+
+@built
+def test_calls_made_at_once_from_several_threads_keep_their_bits():
+    """Four Python threads call pool-sized forwards at once, many times: each call offers its items to the pool
+    threads lingering after earlier calls (csrc/parallel.h), several calls race for them, and every result keeps
+    the bits it has when made alone."""
+    params, xs, forward = _pool_sized_layer()
+    alone = [np.asarray(forward(params, x)) for x in xs]
+    with ThreadPoolExecutor(4) as threads:
+        for _ in range(6):
+            for got, want in zip(threads.map(lambda x: np.asarray(forward(params, x)), xs), alone):
+                np.testing.assert_array_equal(got, want)
+
+
+@built
+def test_no_lingering_keeps_the_bits():
+    """MOEJAX_NATIVE_LINGER_US=0 (pool threads go back to the pool after each call) gives the same bits."""
+    params, xs, forward = _pool_sized_layer()
+    want = np.asarray(forward(params, xs[0]))
+    script = (
+        "import jax, moejax, numpy as np, sys\n"
+        "cfg = moejax.MoEConfig.preset('qwen3_moe', hidden_size=72, num_experts=12, top_k=4, intermediate_size=28)\n"
+        "params = moejax.init_params(cfg, jax.random.key(1), layout='stacked')\n"
+        "x = jax.random.normal(jax.random.key(10), (512, 72))\n"
+        "f = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl='native'))\n"
+        "for _ in range(3): y = f(params, x)\n"
+        "np.save(sys.argv[1], np.asarray(y))\n"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "y.npy")
+        env = dict(os.environ, MOEJAX_NATIVE_LINGER_US="0", JAX_PLATFORMS="cpu")
+        subprocess.run([sys.executable, "-c", script, out], env=env, check=True, capture_output=True)
+        np.testing.assert_array_equal(np.load(out), want)

@@ -255,9 +255,9 @@ class LayerOps:
 # At most this many threads in every native call of the layer (0: `threads_for` decides by the call's size); read
 # while tracing. Tests set it to compare one thread with the pool.
 _MAX_THREADS = 0
-# Below this many bytes of weights streamed by one call, it runs on the calling thread alone. Each of a call's
-# phases wakes XLA's pool and waits for it (csrc/parallel.h), a fixed cost of several microseconds per phase,
-# more on a busy machine, while a thread streams about 4 MiB of float32 weights in ~100 us: in a whole tiny model's
+# Below this many bytes of weights streamed by one call, it runs on the calling thread alone. A call that uses the
+# pool wakes a parked pool thread unless one lingers from an earlier call (csrc/parallel.h), tens of microseconds
+# on a virtual machine, while a thread streams about 4 MiB of float32 weights in ~100 us: in a whole tiny model's
 # decode loop (benchmarks/model_decode.py, H=64, 16 experts, top-4) the pool made the native layers twice as slow
 # as one thread, and one thread was as fast as or faster than the pool up to H=256, I=128, T=8 (1.5 MiB).
 SINGLE_THREAD_BYTES = 4 * 2**20
