@@ -256,11 +256,12 @@ class LayerOps:
 # while tracing. Tests set it to compare one thread with the pool.
 _MAX_THREADS = 0
 # Below this many bytes of weights streamed by one call, it runs on the calling thread alone. A call that uses the
-# pool wakes a parked pool thread unless one lingers from an earlier call (csrc/parallel.h), tens of microseconds
-# on a virtual machine, while a thread streams about 4 MiB of float32 weights in ~100 us: in a whole tiny model's
-# decode loop (benchmarks/model_decode.py, H=64, 16 experts, top-4) the pool made the native layers twice as slow
-# as one thread, and one thread was as fast as or faster than the pool up to H=256, I=128, T=8 (1.5 MiB).
-SINGLE_THREAD_BYTES = 4 * 2**20
+# pool hands items to a pool thread lingering after an earlier call, or wakes a parked one (csrc/parallel.h: ~45 us
+# on a virtual machine). Measured in whole tiny models' decode loops (Qwen3-MoE, 16 experts, top-4, 3 layers, 2-core
+# Xeon): at H=64, I=32 every call on the pool cost 1.12x the time of one thread; at H=256, I=128, one row (1.5 MiB
+# of experts a call) the pool took 0.78x its time; the router of Qwen3-30B-A3B's layer (512 KiB of bfloat16) is
+# faster on two threads too.
+SINGLE_THREAD_BYTES = 512 * 2**10
 
 
 def threads_for(weight_bytes: int) -> int:
