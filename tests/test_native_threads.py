@@ -34,13 +34,11 @@ def _threads_of_calls(cfg: moejax.MoEConfig, T: int, dtype=jnp.float32) -> dict[
 
 @built
 def test_a_tiny_layer_runs_every_native_call_on_one_thread():
-    """H=64, 16 experts, top-4 (the whole-model example's layers) at decode; at T=8 its experts (768 KiB streamed)
-    take the pool, its router stays on one thread."""
+    """H=64, 16 experts, top-4 (the whole-model example's layers) at decode and at T=8 (768 KiB of experts)."""
     cfg = moejax.MoEConfig.preset("qwen3_moe", hidden_size=64, num_experts=16, top_k=4, intermediate_size=32)
-    for T, experts_threads in ((1, 1), (8, 0)):
+    for T in (1, 8):
         calls = _threads_of_calls(cfg, T)
-        want = {"moejax_linear": {1}, "moejax_scores": set(), "moejax_routed_experts": {experts_threads}}
-        assert calls == want, (T, calls)
+        assert calls == {"moejax_linear": {1}, "moejax_scores": set(), "moejax_routed_experts": {1}}, (T, calls)
 
 
 @built

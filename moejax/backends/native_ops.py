@@ -258,10 +258,10 @@ _MAX_THREADS = 0
 # Below this many bytes of weights streamed by one call, it runs on the calling thread alone. A call that uses the
 # pool hands items to a pool thread lingering after an earlier call, or wakes a parked one (csrc/parallel.h: ~45 us
 # on a virtual machine). Measured in whole tiny models' decode loops (Qwen3-MoE, 16 experts, top-4, 3 layers, 2-core
-# Xeon): at H=64, I=32 every call on the pool cost 1.12x the time of one thread; at H=256, I=128, one row (1.5 MiB
-# of experts a call) the pool took 0.78x its time; the router of Qwen3-30B-A3B's layer (512 KiB of bfloat16) is
-# faster on two threads too.
-SINGLE_THREAD_BYTES = 512 * 2**10
+# Xeon, benchmarks/model_decode.py): at H=64, I=32 the pool for 8 rows' experts (768 KiB a call) cost 1.15-1.25x
+# the time of one thread, and every call on the pool at one row 1.12x; at H=256, I=128, one row (1.5 MiB of experts
+# a call) the pool took 0.75x its time, at H=128, I=64, 8 rows (3 MiB) the same.
+SINGLE_THREAD_BYTES = 2**20
 
 
 def threads_for(weight_bytes: int) -> int:
