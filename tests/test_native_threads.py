@@ -99,7 +99,7 @@ def test_calls_made_at_once_from_several_threads_keep_their_bits():
     alone = [np.asarray(forward(params, x)) for x in xs]
     with ThreadPoolExecutor(4) as threads:
         for _ in range(6):
-            for got, want in zip(threads.map(lambda x: np.asarray(forward(params, x)), xs), alone):
+            for got, want in zip(threads.map(lambda x: np.asarray(forward(params, x)), xs), alone, strict=True):
                 np.testing.assert_array_equal(got, want)
 
 
