@@ -685,6 +685,11 @@ static PyObject* rows_examined(PyObject*, PyObject*) {
   return PyLong_FromUnsignedLongLong(moe::g_rows_examined.load());
 }
 
+// lingering_helped(): the calls a pool thread lingering after an earlier call helped, over the process (tests).
+static PyObject* lingering_helped(PyObject*, PyObject*) {
+  return PyLong_FromUnsignedLongLong(moe::Lingering::get().helped());
+}
+
 // call_buffers(): {"idle_sets", "retained_bytes", "retained_bound_bytes"} of the call-buffer pool.
 static PyObject* call_buffers(PyObject*, PyObject*) {
   const auto [sets, bytes] = moe::CallBufferLease::idle();
@@ -699,6 +704,7 @@ static PyMethodDef kMethods[] = {
     {"set_isa", set_isa, METH_O, "set_isa('generic' | 'avx2' | 'avx512' | 'best') -> the instruction set now used"},
     {"call_buffers", call_buffers, METH_NOARGS, "the call-buffer pool: idle sets, bytes they retain, the bound"},
     {"rows_examined", rows_examined, METH_NOARGS, "earlier rows examined as copies of a row, over the process"},
+    {"lingering_helped", lingering_helped, METH_NOARGS, "calls helped by a lingering pool thread, over the process"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -44,8 +44,11 @@ struct ParallelState {
       done.fetch_add(1, std::memory_order_release);
     }
   }
-  void help() {
-    if (seats.fetch_sub(1, std::memory_order_relaxed) > 0) work();
+  // Whether it took a seat (and with it the items left).
+  bool help() {
+    if (seats.fetch_sub(1, std::memory_order_relaxed) <= 0) return false;
+    work();
+    return true;
   }
 };
 
@@ -76,6 +79,8 @@ class Lingering {
 
   // How long a thread waits for the next call: MOEJAX_NATIVE_LINGER_US, 0 to return to the pool at once.
   std::chrono::nanoseconds budget() const { return budget_; }
+  // Calls a lingering thread helped, over the process (tests).
+  uint64_t helped() const { return helped_.load(std::memory_order_relaxed); }
 
   // Returns how many lingering threads may take the offer.
   int64_t offer(const std::shared_ptr<ParallelState>& state) {
@@ -102,7 +107,7 @@ class Lingering {
       if (now_generation != seen) {
         // Still counted while it helps: it takes the next offer as soon as it is done.
         seen = now_generation;
-        if (auto state = taken()) state->help();
+        take_offer();
         deadline = std::chrono::steady_clock::now() + budget_;
         continue;
       }
@@ -110,9 +115,7 @@ class Lingering {
       cpu_relax();
     }
     waiting_.fetch_sub(1, std::memory_order_seq_cst);
-    if (generation_.load(std::memory_order_seq_cst) != seen) {
-      if (auto state = taken()) state->help();
-    }
+    if (generation_.load(std::memory_order_seq_cst) != seen) take_offer();
   }
 
  private:
@@ -122,9 +125,13 @@ class Lingering {
     budget_ = std::chrono::microseconds(std::max(0L, us));
   }
 
-  std::shared_ptr<ParallelState> taken() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return offer_;
+  void take_offer() {
+    std::shared_ptr<ParallelState> state;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      state = offer_;
+    }
+    if (state && state->help()) helped_.fetch_add(1, std::memory_order_relaxed);
   }
 
   std::chrono::nanoseconds budget_;
@@ -132,6 +139,7 @@ class Lingering {
   std::shared_ptr<ParallelState> offer_;  // a finished call's state stays here harmlessly: it has no items left
   std::atomic<uint64_t> generation_{0};
   std::atomic<int64_t> waiting_{0};
+  std::atomic<uint64_t> helped_{0};
 };
 
 // fn(0..n-1) on the pool's threads and the calling thread; returns when all n have run. max_threads > 0: at most

@@ -90,6 +90,12 @@ def _pool_sized_layer():
     return params, xs, jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl="native"))
 
 
+def _steps(forward, params, x, n: int = 16):
+    """n forwards back to back in one program (a decode loop's calls, microseconds apart)."""
+    step = lambda c, _: (forward(params, c), None)
+    return jax.jit(lambda x: jax.lax.scan(step, x, None, n)[0])(x)
+
+
 @built
 def test_calls_made_at_once_from_several_threads_keep_their_bits():
     """Four Python threads call pool-sized forwards at once, many times: each call offers its items to the pool
@@ -103,22 +109,46 @@ def test_calls_made_at_once_from_several_threads_keep_their_bits():
                 np.testing.assert_array_equal(got, want)
 
 
-@built
-def test_no_lingering_keeps_the_bits():
-    """MOEJAX_NATIVE_LINGER_US=0 (pool threads go back to the pool after each call) gives the same bits."""
-    params, xs, forward = _pool_sized_layer()
-    want = np.asarray(forward(params, xs[0]))
+def _steps_in_a_process(linger_us: int) -> tuple[np.ndarray, int]:
+    """`_steps` of the pool-sized layer in a fresh process with MOEJAX_NATIVE_LINGER_US=linger_us: its result and
+    how many calls a lingering pool thread helped there."""
     script = (
-        "import jax, moejax, numpy as np, sys\n"
-        "cfg = moejax.MoEConfig.preset('qwen3_moe', hidden_size=72, num_experts=12, top_k=4, intermediate_size=28)\n"
-        "params = moejax.init_params(cfg, jax.random.key(1), layout='stacked')\n"
-        "x = jax.random.normal(jax.random.key(10), (512, 72))\n"
-        "f = jax.jit(lambda p, x: moejax.moe_forward(p, x, cfg, impl='native'))\n"
-        "for _ in range(3): y = f(params, x)\n"
-        "np.save(sys.argv[1], np.asarray(y))\n"
+        "import sys, numpy as np\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from moejax.backends import native\n"
+        "from test_native_threads import _pool_sized_layer, _steps\n"
+        "params, xs, forward = _pool_sized_layer()\n"
+        "np.save(sys.argv[1], np.asarray(_steps(forward, params, xs[0])))\n"
+        "print(native._module().lingering_helped())\n"
     )
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "y.npy")
-        env = dict(os.environ, MOEJAX_NATIVE_LINGER_US="0", JAX_PLATFORMS="cpu")
-        subprocess.run([sys.executable, "-c", script, out], env=env, check=True, capture_output=True)
-        np.testing.assert_array_equal(np.load(out), want)
+        env = dict(os.environ, MOEJAX_NATIVE_LINGER_US=str(linger_us), JAX_PLATFORMS="cpu")
+        run = subprocess.run(
+            [sys.executable, "-c", script, out, os.path.dirname(__file__)],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        return np.load(out), int(run.stdout.split()[-1])
+
+
+@built
+def test_a_pool_thread_lingers_for_the_next_call():
+    """Back-to-back pool-sized calls: a pool thread that helped one takes the next one's items (counted by the
+    extension) instead of the call waking a parked thread. A 100 ms budget, so that a lingering thread descheduled
+    on a busy machine is still waiting when the next call comes."""
+    params, xs, forward = _pool_sized_layer()
+    y, helped = _steps_in_a_process(100_000)
+    assert helped > 0
+    np.testing.assert_array_equal(y, np.asarray(_steps(forward, params, xs[0])))
+
+
+@built
+def test_no_lingering_keeps_the_bits():
+    """MOEJAX_NATIVE_LINGER_US=0: no pool thread lingers (none helps a call) and the bits are the same."""
+    params, xs, forward = _pool_sized_layer()
+    y, helped = _steps_in_a_process(0)
+    assert helped == 0
+    np.testing.assert_array_equal(y, np.asarray(_steps(forward, params, xs[0])))
