@@ -559,11 +559,11 @@ def test_column_chunks_after_the_first_with_several_k_blocks_matchrouted_sum():
 @built
 @pytest.mark.parametrize("fmt", ["float32_in_out", "int8_channel_asym", "int8_g16", "int4_g32", "mxfp4"])
 def test_one_row_experts_match_the_many_row_kernel_bit_for_bit(fmt):
-    """An expert with one row runs the one-row [in, out] kernel (weight rows in address order, two per pass, the partial
-    sums in memory, symmetric int offsets hoisted: int8's code - 128 by a sign flip), one with several rows the
-    register-tile kernel: a row of a batch whose rows all share their experts equals the row alone bit for bit, and the
-    oracle. H=544: K blocks 256 + 256 + 32; float32 [in, out] with H=45, I=27: odd segments and partial vectors at each
-    row's end."""
+    """An expert with one row runs the one-row [in, out] kernel (weight rows in address order, one or two per pass,
+    the partial sums in memory, symmetric int offsets hoisted: int8's code - 128 by a sign flip), one with several
+    rows the register-tile kernel: a row of a batch whose rows all share their experts equals the row alone bit for
+    bit, and the oracle. H=544: K blocks 256 + 256 + 32; float32 [in, out] with H=45, I=27: odd segments and partial
+    vectors at each row's end."""
     E, K, T = 3, 2, 5
     if fmt == "float32_in_out":
         H, I = 45, 27
@@ -584,20 +584,23 @@ def test_one_row_experts_match_the_many_row_kernel_bit_for_bit(fmt):
 
 
 @built
-@pytest.mark.parametrize("fmt", ["float32_in_out", "int8_channel_asym", "int4_g16_asym", "fp8_block", "nvfp4"])
+@pytest.mark.parametrize(
+    "fmt", ["float32_in_out", "int8_channel_asym", "int4_g16_asym", "int4_g32", "fp8_block", "nvfp4"]
+)
 def test_decode_whole_row_chunks_match_the_many_row_kernel_bit_for_bit(fmt):
     """Decode (every chosen expert one row) on one thread takes each projection's columns as one chunk (whole
     weight rows per item, moe_cpu.cc set_chunks); a batch whose rows share their experts takes 256-column chunks
     through the many-row kernel: the row alone equals its batch row bit for bit, and the oracle. Sizes past one
     256-column chunk and off every vector: float32 [in, out] H=601, I=299 (odd rows, partial vectors at each row's
-    end); quantized H=544 (K blocks 256 + 256 + 32; down's 544 columns not a multiple of 64), I=336; FP8 H=600,
+    end); quantized H=544 (K blocks 256 + 256 + 32; down's 544 columns not a multiple of 64: the 4-bit formats' rows
+    of 544 bytes one per pass, symmetric int4's offsets hoisted), I=352 (352-byte rows, two per pass); FP8 H=600,
     I=328 (odd vector counts: the one-row kernel decodes FP8 two vectors at a time, then one; partial blocks)."""
     E, K, T = 3, 2, 4
     if fmt == "float32_in_out":
         H, I = 601, 299
         experts = _dense(E, H, I)
     else:
-        H, I = (600, 328) if fmt == "fp8_block" else (544, 336)
+        H, I = (600, 328) if fmt == "fp8_block" else (544, 352)
         experts = _quantized(fmt, E=E, H=H, I=I)
     act = ACTIVATIONS["silu"]
     x = _x(T, H, 5)
