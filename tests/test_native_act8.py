@@ -215,6 +215,32 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_threads(name):
 
 
 @built
+@pytest.mark.parametrize(
+    "kind, options",
+    [("int8", {"group_size": 32}), ("int4", {"group_size": 16, "symmetric": False}), ("mxfp4", {})],
+    ids=["int8_g32", "int4_g16_asym", "mxfp4"],
+)
+def test_decode_whole_row_chunks_match_the_batch_bit_for_bit(kind, options):
+    """Decode (every chosen expert one row) on one thread takes each projection's columns as one chunk (whole code
+    rows per item, K blocks of contiguous rows: moe_cpu.cc set_chunks); a batch whose rows share their experts takes
+    256-column chunks: the row alone equals its batch row bit for bit, and the oracle. The batch's chunks 256 + 96
+    (I=352) and 256 + 256 + 32 (H=544) columns, the row alone's whole rows of 352 and 544: none a multiple of the
+    64-column strip."""
+    E, T, H, I = 3, 4, 544, 352
+    experts = Q.quantize_experts(_dense(E, H, I, seed=4), Q.format_by_name(kind, activations="int8", **options))
+    act = ACTIVATIONS["silu"]
+    x = _x(T, H, seed=5)
+    one = Slots(jnp.asarray([[2, 0]], jnp.int32), jnp.asarray([[0.7, 0.4]], jnp.float32))
+    slots = Slots(jnp.repeat(one.indices, T, 0), jnp.repeat(one.out_weight, T, 0))
+    got = np.asarray(native.routed_experts(experts, x, slots, act))
+    d = {k: np.asarray(v, np.float64) for k, v in jax.jit(lambda e: e.dequantize())(experts).fields().items()}
+    assert _rel_err(got, _oracle_of(d, experts.scheme.activation_group, x, slots, act)) <= TIGHT
+    for t in (0, 3):
+        alone = native.routed_experts(experts, x[t : t + 1], one, act, max_threads=1)
+        np.testing.assert_array_equal(np.asarray(alone)[0], got[t], err_msg=f"{kind}: row {t}")
+
+
+@built
 def test_h_rows_finished_by_several_gate_up_items():
     """I = 300: a union expert's gate/up in two column chunks (256 + 44 columns), its h rows quantized by whichever
     item finishes them: against the oracle, one thread and the pool bit-identical, a row's bits as when alone."""
