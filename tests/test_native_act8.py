@@ -226,7 +226,7 @@ def test_decode_whole_row_chunks_match_the_batch_bit_for_bit(kind, options):
     256-column chunks: the row alone equals its batch row bit for bit, and the oracle. The batch's chunks 256 + 96
     (I=352) and 256 + 256 + 32 (H=544) columns, the row alone's whole rows of 352 and 544: none a multiple of the
     64-column strip."""
-    E, T, H, I = 3, 4, 544, 352
+    E, T, H, I = 3, 9, 544, 352  # 9 rows per expert: past set_chunks' 8, the 256-column chunks
     experts = Q.quantize_experts(_dense(E, H, I, seed=4), Q.format_by_name(kind, activations="int8", **options))
     act = ACTIVATIONS["silu"]
     x = _x(T, H, seed=5)
@@ -235,7 +235,7 @@ def test_decode_whole_row_chunks_match_the_batch_bit_for_bit(kind, options):
     got = np.asarray(native.routed_experts(experts, x, slots, act))
     d = {k: np.asarray(v, np.float64) for k, v in jax.jit(lambda e: e.dequantize())(experts).fields().items()}
     assert _rel_err(got, _oracle_of(d, experts.scheme.activation_group, x, slots, act)) <= TIGHT
-    for t in (0, 3):
+    for t in (0, 8):
         alone = native.routed_experts(experts, x[t : t + 1], one, act, max_threads=1)
         np.testing.assert_array_equal(np.asarray(alone)[0], got[t], err_msg=f"{kind}: row {t}")
 
