@@ -328,6 +328,9 @@ static int chunk_width(int fmt) {
   }
 }
 
+// The most rows per union expert, on average, with which a call's [in, out] items are whole rows (set_chunks).
+constexpr int kWideRowsPerExpert = 8;
+
 // The column chunks of a call's items, once its routing is known (threads: the threads that take items). Widths
 // never change a value's bits (each column's chain is the same in any chunk).
 //  * Dense [out, in] weights: the widest items (multiples of 16 outputs, up to a whole projection) that still give
@@ -336,11 +339,11 @@ static int chunk_width(int fmt) {
 //    from memory costs about as much as computing it); with a row or a few (decode) an item's fixed costs (the
 //    hand-out, the first lines' latency, the prefetch's restart) are paid per item: 16-output items at one token
 //    (1024 down items of 8 KiB for 8 experts of H = 2048, I = 256) took 1.25x the step's time in bfloat16.
-//  * Decode and small batches ([in, out] weights, at most 8 rows per union expert on average): the widest chunks
-//    (multiples of 64 columns) that still give every thread two items per phase, so the one-row kernel
-//    (inout_row1) reads whole weight rows, one address-ordered stream per projection, which the prefetchers follow
-//    far better than 256-column pieces of rows, and the many-row kernels' K block tiles (inout_matmul, and with int8
-//    activations act8_kernels.inc) are contiguous runs of whole rows, prefetched in address order. Against
+//  * Decode and small batches ([in, out] weights, at most kWideRowsPerExpert rows per union expert on average):
+//    the widest chunks (multiples of 64 columns) that still give every thread two items per phase, so the one-row
+//    kernel (inout_row1) reads whole weight rows, one address-ordered stream per projection, which the prefetchers
+//    follow far better than 256-column pieces of rows, and the many-row kernels' K block tiles (inout_matmul, and
+//    with int8 activations act8_kernels.inc) are contiguous runs of whole rows, prefetched in address order. Against
 //    256-column chunks (Intel Xeon, Emerald Rapids, two threads, benchmarks/native_kernels.py, Qwen3-30B-A3B's
 //    experts): one token 1.14-1.38x faster from the L3 and 1.9-2x from memory with int8 activations (the AVX2
 //    loops 1.12-1.22x); 4 to 128 tokens of 128 experts from memory (1.3 to 8 rows per union expert) 1.1-1.65x for
@@ -361,7 +364,7 @@ static void set_chunks(Job& job, int threads) {
     job.chunk_down = wide(job.H);
     return;
   }
-  if (job.pair_start[U] > 8 * static_cast<int64_t>(U)) return;  // more than 8 rows per union expert on average
+  if (job.pair_start[U] > kWideRowsPerExpert * static_cast<int64_t>(U)) return;  // rows per union expert, average
   const int per_expert = std::max(1, (2 * threads + U - 1) / U);  // chunks per expert
   auto width = [&](int n) { return std::max(job.chunk_gu, ((n + per_expert - 1) / per_expert + 63) / 64 * 64); };
   job.chunk_gu = width(job.I);

@@ -226,7 +226,7 @@ def test_decode_whole_row_chunks_match_the_batch_bit_for_bit(kind, options):
     256-column chunks: the row alone equals its batch row bit for bit, and the oracle. The batch's chunks 256 + 96
     (I=352) and 256 + 256 + 32 (H=544) columns, the row alone's whole rows of 352 and 544: none a multiple of the
     64-column strip."""
-    E, T, H, I = 3, 9, 544, 352  # 9 rows per expert: past set_chunks' 8, the 256-column chunks
+    E, T, H, I = 3, 9, 544, 352  # 9 rows per expert: past kWideRowsPerExpert (8), the 256-column chunks
     experts = Q.quantize_experts(_dense(E, H, I, seed=4), Q.format_by_name(kind, activations="int8", **options))
     act = ACTIVATIONS["silu"]
     x = _x(T, H, seed=5)

@@ -595,7 +595,7 @@ def test_decode_whole_row_chunks_match_the_many_row_kernel_bit_for_bit(fmt):
     end); quantized H=544 (K blocks 256 + 256 + 32; down's 544 columns not a multiple of 64: the 4-bit formats' rows
     of 544 bytes one per pass, symmetric int4's offsets hoisted), I=352 (352-byte rows, two per pass); FP8 H=600,
     I=328 (odd vector counts: the one-row kernel decodes FP8 two vectors at a time, then one; partial blocks)."""
-    E, K, T = 3, 2, 9  # 9 rows per expert: past set_chunks' 8, the 256-column chunks
+    E, K, T = 3, 2, 9  # 9 rows per expert: past kWideRowsPerExpert (8), the 256-column chunks
     if fmt == "float32_in_out":
         H, I = 601, 299
         experts = _dense(E, H, I)
