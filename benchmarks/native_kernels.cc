@@ -188,7 +188,11 @@ void kb_set_cpu_clock(int on) { kb::g_cpu_clock = on != 0; }
 void kb_set_act8(int group) {
   kb::g_act_group = group;
 #if __has_include("act8.h")
+#ifdef MOE_A8_STRIPS
+  moe::g_act8_strip = moe::a8_strip_best();
+#else  // a tree before the strips' tiers (an A/B against an older --csrc)
   moe::g_act8_vnni = moe::cpu_features().avx512_vnni;
+#endif
 #endif
 }
 void* kb_make(int fmt, int H, int I, int E, int group) { return kb::make(fmt, H, I, E, group); }

@@ -14,6 +14,7 @@ static CpuFeatures probe() {
   f.avx512 = f.avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
   f.avx512_vnni = f.avx512 && __builtin_cpu_supports("avx512vnni");
+  f.avx512_vbmi = f.avx512 && __builtin_cpu_supports("avx512vbmi");
   f.intel = __builtin_cpu_is("intel");
 #endif
   return f;

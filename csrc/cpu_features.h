@@ -12,6 +12,7 @@ struct CpuFeatures {
   bool avx2 = false;         // AVX2, FMA and F16C: the avx2 variant
   bool avx512 = false;       // those and AVX-512 F, BW, DQ, VL: the avx512 variant
   bool avx512_vnni = false;  // AVX-512 VNNI (vpdpbusd): the avx512 variant's int8-activation loops
+  bool avx512_vbmi = false;  // AVX-512 VBMI (byte permutes): those loops' 4-bit code spread
   bool intel = false;        // an Intel CPU (moe_job.h: whether float32 weights are prefetched in software)
 };
 

@@ -686,6 +686,27 @@ static PyObject* set_isa(PyObject*, PyObject* arg) {
   return PyUnicode_FromString(moe::g_isa.load());
 }
 
+// set_act8_strip('maddubs' | 'vnni' | 'vbmi' | 'best') -> the AVX-512 variant's int8-activation strips now used, at
+// most the CPU's best (moe_job.h's A8Strip; tests compare them bit for bit).
+static PyObject* set_act8_strip(PyObject*, PyObject* arg) {
+  static const char* const kNames[] = {"maddubs", "vnni", "vbmi"};
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (!name) return nullptr;
+  const int best = static_cast<int>(moe::a8_strip_best());
+  int want = best;
+  if (std::string(name) != "best") {
+    want = 0;
+    while (want < 3 && std::string(name) != kNames[want]) ++want;
+    if (want == 3) {
+      PyErr_SetString(PyExc_ValueError, "set_act8_strip: expected 'maddubs', 'vnni', 'vbmi' or 'best'");
+      return nullptr;
+    }
+    want = std::min(want, best);
+  }
+  moe::g_act8_strip = static_cast<moe::A8Strip>(want);
+  return PyUnicode_FromString(kNames[want]);
+}
+
 // rows_examined(): the earlier rows phase 0 examined as possible copies of a row, over the process (tests).
 static PyObject* rows_examined(PyObject*, PyObject*) {
   return PyLong_FromUnsignedLongLong(moe::g_rows_examined.load());
@@ -708,6 +729,8 @@ static PyMethodDef kMethods[] = {
     {"registrations", registrations, METH_NOARGS, "{target name: PyCapsule of its XLA FFI handler}"},
     {"isa", isa, METH_NOARGS, "the instruction set of the kernels in use ('avx512', 'avx2' or 'generic')"},
     {"set_isa", set_isa, METH_O, "set_isa('generic' | 'avx2' | 'avx512' | 'best') -> the instruction set now used"},
+    {"set_act8_strip", set_act8_strip, METH_O,
+     "set_act8_strip('maddubs' | 'vnni' | 'vbmi' | 'best') -> the int8-activation strips now used (AVX-512)"},
     {"call_buffers", call_buffers, METH_NOARGS, "the call-buffer pool: idle sets, bytes they retain, the bound"},
     {"rows_examined", rows_examined, METH_NOARGS, "earlier rows examined as copies of a row, over the process"},
     {"lingering_helped", lingering_helped, METH_NOARGS, "calls helped by a lingering pool thread, over the process"},
@@ -720,6 +743,6 @@ static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_cpu", "moejax's na
 PyMODINIT_FUNC PyInit__native_cpu(void) {
   moe::select_isa(moe::Isa::kAvx512);
   moe::g_soft_prefetch_f32 = moe::soft_prefetch_f32_default();
-  moe::g_act8_vnni = moe::cpu_features().avx512_vnni;
+  moe::g_act8_strip = moe::a8_strip_best();
   return PyModule_Create(&kModule);
 }

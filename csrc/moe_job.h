@@ -91,9 +91,16 @@ static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 inline bool g_soft_prefetch_f32 = true;
 // Whether a one-row kernel of weight format fmt prefetches its weight streams in software.
 static inline bool soft_prefetch(int fmt) { return fmt != kDenseF32 || g_soft_prefetch_f32; }
-// Whether the AVX-512 variant's int8-activation kernels use VNNI (vpdpbusd; the same sums): set at load where the
-// CPU has AVX-512 VNNI.
-inline bool g_act8_vnni = false;
+// The AVX-512 variant's int8-activation strips, all with the same integer sums: the 256-bit vpmaddubsw loop of the
+// avx2 variant, 512-bit vpdpbusd (AVX-512 VNNI), and vpdpbusd with the 4-bit codes spread by byte permutes (VBMI).
+// Set at load to the best the CPU has (a8_strip_best); tests choose lower ones (moe_cpu.cc's set_act8_strip).
+#define MOE_A8_STRIPS 1
+enum class A8Strip : int { kMaddubs = 0, kVnni = 1, kVbmi = 2 };
+inline A8Strip g_act8_strip = A8Strip::kMaddubs;
+static inline A8Strip a8_strip_best() {
+  const CpuFeatures& f = cpu_features();
+  return !f.avx512_vnni ? A8Strip::kMaddubs : f.avx512_vbmi ? A8Strip::kVbmi : A8Strip::kVnni;
+}
 static inline bool soft_prefetch_f32_default() { return !cpu_features().intel; }
 
 // One [in, out] projection of one expert (moejax.quantized's layout; dense [in, out] uses q and n_in only).

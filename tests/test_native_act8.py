@@ -126,6 +126,26 @@ def _isa(name):
     return module.set_isa(name)
 
 
+def _strip(name):
+    """The AVX-512 variant's int8-activation strips: 'vbmi', 'vnni', 'maddubs' (at most the CPU's) or 'best'."""
+    return native._module().set_act8_strip(name)
+
+
+def _every_variant(run, best):
+    """run() under each lower int8-activation strip of the AVX-512 variant and each lower ISA: best's bits."""
+    try:
+        for strip in ("vnni", "maddubs"):
+            if _strip(strip) == strip:
+                np.testing.assert_array_equal(np.asarray(run()), best, strip)
+        _strip("best")
+        for isa in ("avx2", "generic"):
+            if _isa(isa) == isa:
+                np.testing.assert_array_equal(np.asarray(run()), best, isa)
+    finally:
+        _strip("best")
+        _isa("best")
+
+
 # -- the definition -----------------------------------------------------------------------------------------------
 
 
@@ -150,20 +170,16 @@ def test_int8_activations_by_hand():
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_kernel_matches_the_emulated_reference(name, act_name):
     """Every ISA against the float64 oracle of the emulation to float32 rounding, bit-identical to each other (the
-    best one: AVX-512 with VNNI's vpdpbusd where the CPU has it; AVX2's vpmaddubsw + vpmaddwd; the portable loop);
-    and visibly different from the float32-activation result (the option is not ignored)."""
+    best one: AVX-512 with VNNI's vpdpbusd where the CPU has it, the 4-bit codes spread by VBMI's byte permutes where
+    it has those; the AVX-512 strips without them; AVX2's vpmaddubsw + vpmaddwd; the portable loop); and visibly
+    different from the float32-activation result (the option is not ignored)."""
     act, bias = ACTIVATIONS[act_name], True
     experts = _experts(name, bias=bias)
     H = FORMATS[name][2]
     x, slots = _x(5, H), _slots(5, 3, 4)
     want = _oracle(name, x, slots, act, bias=bias)
     best = np.asarray(native.routed_experts(experts, x, slots, act))
-    try:
-        for isa in ("avx2", "generic"):
-            if _isa(isa) == isa:
-                np.testing.assert_array_equal(np.asarray(native.routed_experts(experts, x, slots, act)), best, isa)
-    finally:
-        _isa("best")
+    _every_variant(lambda: native.routed_experts(experts, x, slots, act), best)
     assert _rel_err(best, want) <= TIGHT, _rel_err(best, want)
     assert _rel_err(best, _oracle(name, x, slots, act, bias=bias, group=None)) > 1e-3
 
@@ -173,7 +189,7 @@ def test_kernel_matches_the_emulated_reference(name, act_name):
 def test_every_scale_byte_decodes_alike_in_every_isa(name):
     """The down projection's scale bytes set to every value 0..255 (NaN, subnormal e4m3, e8m0's 0 and 254
     included), one byte per (expert, output column) across all its groups, each row routed to one expert: every ISA
-    gives the same bits (the AVX-512 variant decodes 16 scale bytes per vector, the others one by one)."""
+    gives the same bits (the AVX-512 variant loads 32 scale bytes a vector, the others decode them one by one)."""
     E = 6
     H = FORMATS[name][2]
     arrays = _experts(name, E).fields()
@@ -187,13 +203,7 @@ def test_every_scale_byte_decodes_alike_in_every_isa(name):
     slots = Slots(jnp.arange(E, dtype=jnp.int32)[:, None], jnp.ones((E, 1), jnp.float32))
     best = np.asarray(native.routed_experts(experts, x, slots, ACTIVATIONS["silu"]))
     assert 0.5 < np.isfinite(best).mean() < 1  # NaN scales give NaN columns, the others values
-    try:
-        for isa in ("avx2", "generic"):
-            if _isa(isa) == isa:
-                got = native.routed_experts(experts, x, slots, ACTIVATIONS["silu"])
-                np.testing.assert_array_equal(np.asarray(got), best, isa)
-    finally:
-        _isa("best")
+    _every_variant(lambda: native.routed_experts(experts, x, slots, ACTIVATIONS["silu"]), best)
 
 
 @built
