@@ -17,10 +17,12 @@ read bandwidth of a contiguous float32 GEMV in jax and the rate of a 2048³ floa
 measurement before and one after the cases). Times are medians of --repeats rounds after a warm-up round; a round
 calls moejax and every HF backend once, so that on a shared machine all of them see the same stretches of load.
 torch runs under `torch.inference_mode()` with `torch.set_num_threads(2)` (--torch-threads); jax uses every core.
-In a round each contender makes one untimed call right before its timed one, so the timed call runs as in a model
-(after a call of its own, not of the other library): torch's OpenMP threads spin for a while after a call
-(libgomp's default) and took the cores from a jax call that followed at once (quiet 2-core machine, median of 7,
-moejax decode T=1 float32 11.82 ms right after torch vs 7.57 with torch's threads passive).
+In a round each contender waits SETTLE_S, then makes WARM_CALLS untimed calls right before its timed one, so the
+timed call runs as in a model (after calls of its own, not of the other library): torch's OpenMP threads spin for a
+while after a call (libgomp's default) and took the cores from a jax call that followed at once (quiet 2-core
+machine, median of 7, moejax decode T=1 float32 11.82 ms right after torch vs 7.57 with torch's threads passive;
+with one untimed call and no wait, bfloat16 T=1 at ~3.5 ms a call still ran 5.9 ms), and after the wait HF's
+block needed two calls to be back at its pace (bfloat16 T=1: 5.9 ms after one, 4.4 after two).
 
 Run (torch and transformers come with the `peers` extra; torch==2.13.0 is a CPU build):
 
@@ -65,6 +67,8 @@ BATCHED_MM_MAX_BYTES = 3 * 2**30
 # max |HF - moejax| / max |moejax| allowed by the agreement check, per dtype
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
 FALLBACK_BACKENDS = ("eager", "batched_mm", "grouped_mm")
+SETTLE_S = 0.1  # seconds each contender waits before its calls (the module docstring: torch's spinning threads)
+WARM_CALLS = 2  # untimed calls of a contender right before its timed one
 
 
 # -- layers ----------------------------------------------------------------------------------------------------
@@ -203,9 +207,10 @@ def sample_seconds(call: Callable[[], Any], repeats: int, warmup: int) -> list[f
 def measure_ceilings(quick: bool, repeats: int) -> dict[str, Any]:
     """Read bandwidth of a jitted float32 GEMV [1, n] x [n, n] and the rate of an m³ float32 matmul, in jax.
 
-    A ceiling is the best rate seen, so each takes the fastest of its runs (not the median).
+    A ceiling is the best rate seen, so each takes the fastest of its runs (not the median). The GEMV's 1 GiB is
+    well over a last-level cache (a 256 MiB matrix read partly from a 260 MiB L3 gave 30-42 GB/s between runs).
     """
-    n, m = (2048, 512) if quick else (8192, 2048)
+    n, m = (2048, 512) if quick else (16384, 2048)
     key = jax.random.key(0)
     w = jax.random.normal(key, (n, n), jnp.float32)
     v = jnp.ones((1, n), jnp.float32)
@@ -242,12 +247,14 @@ class Contender:
 def interleaved_samples(contenders: list[Contender], repeats: int, warmup: int) -> dict[str, list[float]]:
     """Seconds of `repeats` calls of each contender, round-robin (one call of each per round), after `warmup`
     untimed rounds: on a shared machine every contender then sees the same stretches of load. Each timed call
-    follows an untimed call of the same contender (module docstring)."""
+    follows WARM_CALLS untimed calls of the same contender (module docstring)."""
     samples: dict[str, list[float]] = {c.name: [] for c in contenders}
     for round_ in range(warmup + repeats):
         for contender in contenders:
-            contender.setup()
-            contender.call()
+            time.sleep(SETTLE_S)  # the other library's spinning threads park first
+            for _ in range(WARM_CALLS):
+                contender.setup()
+                contender.call()
             contender.setup()
             start = time.perf_counter()
             contender.call()
