@@ -6,6 +6,7 @@ option off keeps today's bits, bad combinations raise naming the field, and one 
 
 import functools
 import hashlib
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -182,6 +183,24 @@ def test_kernel_matches_the_emulated_reference(name, act_name):
     _every_variant(lambda: native.routed_experts(experts, x, slots, act), best)
     assert _rel_err(best, want) <= TIGHT, _rel_err(best, want)
     assert _rel_err(best, _oracle(name, x, slots, act, bias=bias, group=None)) > 1e-3
+
+
+def _cpu_flags() -> set[str]:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@built
+@pytest.mark.skipif(
+    native.isa() != "avx512" or not pathlib.Path("/proc/cpuinfo").exists(), reason="an AVX-512 Linux machine"
+)
+def test_the_best_strips_are_the_cpus():
+    """The strips chosen at load are the best this CPU runs (the tier comparisons above would pass with it off)."""
+    flags = _cpu_flags()
+    want = "maddubs" if "avx512_vnni" not in flags else "vbmi" if "avx512vbmi" in flags else "vnni"
+    assert _strip("best") == want
 
 
 @built
